@@ -1,0 +1,119 @@
+"""news_comment_reconcile: nightly recount of news.posts.comments_count (wiring only).
+
+The logic lives in ``plugins/pin_nightly/news.py``; SQL in ``include/sql/news/``.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
+
+from pin_nightly import news
+from pin_nightly.jobs import release_lease as _release
+from pin_nightly.tasks import config_errors_fail
+
+POOL = "news_comment_reconcile"
+UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+
+DOC_MD = """
+# news_comment_reconcile
+
+Recounts `news.posts.comments_count` from the `Visible` comments and corrects the drift the
+hot path (INV-CMT-005) leaves behind. Nightly at 03:00 Europe/Moscow: a **DailyWindow** over
+posts whose comments changed since the last completed sweep (at least `window_lookback_hours`
+back), or a **FullSweep** of every non-archived post on nights matching `full_sweep_cron`
+(Sundays by default). Only `comments_count` and `updated_at` of drifted posts are written.
+
+**Safe to re-run?** Yes. The recount is absolute; a second run on the same data corrects 0.
+Progress lives in PostgreSQL (`pin_nightly.sweep_range` cursors): clearing a failed
+`reconcile_range` task resumes its range from its cursor; a run stopped by
+`max_run_duration_minutes` is resumed by the next run.
+
+**When it fails**
+- `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
+- `acquire_lease` skipped with `skipped, lock held`: another run (maybe another deployment)
+  holds `Pin:lock:job:scheduled:news-comment-reconcile`; it expires by its TTL.
+- a `reconcile_range` failed: read its log, fix the cause (database down, lease lost), then
+  clear that task instance: it resumes from its cursor.
+- `drift_corrected` above `drift_alert_threshold`: a bug in the hot-path increment; the job
+  treats the symptom. `pin_nightly.news_drift` lists every correction.
+- backlog not draining: raise `batch_size` / `max_run_duration_minutes`, add pool slots,
+  look for long-held row locks.
+
+Targeted repair: trigger with `{"post_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
+Full runbook: README.md, section "Runbook".
+"""
+
+with DAG(
+    dag_id="news_comment_reconcile",
+    description="Nightly recount of news.posts.comments_count from visible comments",
+    schedule=CronTriggerTimetable("0 3 * * *", timezone="Europe/Moscow"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=DOC_MD,
+    tags=["pin-nightly", "news"],
+    default_args={"owner": "PIN Engagement", "retries": 1,
+                  "retry_delay": pendulum.duration(minutes=2)},
+    params={
+        "scope": Param("auto", enum=list(news.SCOPES),
+                       description="auto = FullSweep on nights matching full_sweep_cron "
+                                   "(Europe/Moscow), else DailyWindow"),
+        "full_sweep_cron": Param("0 3 * * 0", type="string",
+                                 description="Nights (Europe/Moscow) on which auto means FullSweep"),
+        "batch_size": Param(500, type="integer", minimum=1, description="Posts per batch"),
+        "window_lookback_hours": Param(26, type="number", exclusiveMinimum=0,
+                                       description="DailyWindow: minimal look-back"),
+        "max_run_duration_minutes": Param(20, type="number", exclusiveMinimum=0,
+                                          description="No batch starts later than this after "
+                                                      "the lease is taken"),
+        "lock_ttl_minutes": Param(30, type="number", exclusiveMinimum=0,
+                                  description="Lease TTL; must exceed max_run_duration_minutes"),
+        "drift_alert_threshold": Param(1000, type="integer", minimum=0,
+                                       description="Alert when a run corrects more posts"),
+        "post_ids": Param([], type="array", items={"type": "string", "pattern": UUID_PATTERN},
+                          description="Targeted repair of just these posts"),
+        "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
+        "max_ranges": Param(8, type="integer", minimum=1, maximum=64,
+                            description="Upper bound of keyset ranges (mapped tasks)"),
+    },
+) as dag:
+
+    @task(pool=POOL)
+    @config_errors_fail
+    def validate_options() -> dict:
+        ctx = get_current_context()
+        return news.validate_options(ctx["params"], ctx)
+
+    @setup
+    @task(pool=POOL)
+    @config_errors_fail
+    def acquire_lease(opts: dict) -> dict:
+        return news.acquire_lease(news.JOB, opts, get_current_context())
+
+    @task(pool=POOL)
+    def plan_ranges(opts: dict) -> list[dict]:
+        return news.plan_ranges(opts, get_current_context())
+
+    @task(pool=POOL, map_index_template="{{ range_label }}")
+    def reconcile_range(rng: dict, opts: dict, lease: dict) -> dict:
+        ctx = get_current_context()
+        ctx["range_label"] = rng["label"]
+        return news.reconcile_range(rng, opts, lease, ctx)
+
+    @task(pool=POOL, trigger_rule="none_failed")
+    def summarize(opts: dict) -> dict:
+        return news.summarize(opts, get_current_context())
+
+    @teardown
+    @task(pool=POOL)
+    def release_lease(lease: dict | None) -> bool:
+        return _release(news.JOB, lease)
+
+    opts = validate_options()
+    lease = acquire_lease(opts)
+    ranges = plan_ranges(opts)
+    done = reconcile_range.partial(opts=opts, lease=lease).expand(rng=ranges)
+    summary = summarize(opts)
+    lease >> ranges
+    done >> summary >> release_lease(lease)

@@ -1,0 +1,21 @@
+-- FullSweep batch, statement 1: the range's next posts after the cursor, locked with
+-- SKIP LOCKED. Returns every candidate, with whether we got its lock (a post being written by
+-- the hot path right now is skipped and retried at the end of the range).
+WITH cand AS (
+    SELECT id
+      FROM news.posts
+     WHERE (%(after_id)s::uuid IS NULL OR id > %(after_id)s::uuid)
+       AND (%(upper_id)s::uuid IS NULL OR id <= %(upper_id)s::uuid)
+       AND status IS DISTINCT FROM 'Archived'
+     ORDER BY id
+     LIMIT %(limit)s
+), locked AS (
+    SELECT p.id
+      FROM news.posts p
+     WHERE p.id IN (SELECT id FROM cand) AND p.status IS DISTINCT FROM 'Archived'
+     ORDER BY p.id
+       FOR UPDATE OF p SKIP LOCKED
+)
+SELECT c.id::text AS id, TRUE AS eligible, l.id IS NOT NULL AS locked
+  FROM cand c LEFT JOIN locked l ON l.id = c.id
+ ORDER BY c.id

@@ -1,0 +1,1 @@
+SELECT id FROM news.posts WHERE status IS DISTINCT FROM 'Archived'

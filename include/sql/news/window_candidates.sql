@@ -1,0 +1,12 @@
+-- DailyWindow candidates: posts with a comment created, hidden or deleted since the cutoff
+-- (a range scan of the recommended index on comments.updated_at; comments whose updated_at was
+-- never set count by created_at), plus posts left locked by earlier runs.
+INSERT INTO pin_nightly.news_window_candidate (sweep_id, post_id)
+SELECT %(sweep_id)s, post_id
+  FROM (SELECT c.post_id FROM news.comments c WHERE c.updated_at >= %(cutoff)s
+        UNION
+        SELECT c.post_id FROM news.comments c
+         WHERE c.updated_at IS NULL AND c.created_at >= %(cutoff)s
+        UNION
+        SELECT s.post_id FROM pin_nightly.news_skipped_post s) AS changed
+ON CONFLICT DO NOTHING

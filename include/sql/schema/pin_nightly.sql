@@ -1,0 +1,100 @@
+-- Job-owned state of pin-nightly: lease (single-flight lock), sweeps and their keyset ranges
+-- (checkpoints), the run log and the news drift records.
+-- Idempotent: the DAGs apply it when the schema is absent; DBAs may apply it themselves.
+CREATE SCHEMA IF NOT EXISTS pin_nightly;
+
+-- Distributed lock with a TTL. One row per lock key; the holder renews it while it works.
+-- token is a fencing token: it changes on every acquisition, and every batch checks it.
+CREATE SEQUENCE IF NOT EXISTS pin_nightly.lease_token_seq;
+CREATE TABLE IF NOT EXISTS pin_nightly.job_lease (
+    lock_key        text        PRIMARY KEY,
+    holder          text        NOT NULL,
+    token           bigint      NOT NULL,
+    ttl             interval    NOT NULL,
+    acquired_at     timestamptz NOT NULL,
+    expires_at      timestamptz NOT NULL,
+    run_deadline_at timestamptz NOT NULL
+);
+
+-- A sweep is one pass of a job over its keyset (a scope); it may span several runs when a run
+-- stops at its time budget. Resumable sweeps are adopted by the next run of the same scope.
+CREATE TABLE IF NOT EXISTS pin_nightly.sweep (
+    sweep_id     bigserial   PRIMARY KEY,
+    job          text        NOT NULL,
+    scope        text        NOT NULL,
+    family       text        NOT NULL,
+    resumable    boolean     NOT NULL,
+    status       text        NOT NULL DEFAULT 'open'
+                 CHECK (status IN ('open', 'done', 'abandoned')),
+    run_id       text        NOT NULL,
+    params       jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    started_at   timestamptz NOT NULL DEFAULT now(),
+    completed_at timestamptz
+);
+CREATE UNIQUE INDEX IF NOT EXISTS sweep_one_open_per_scope
+    ON pin_nightly.sweep (job, scope) WHERE status = 'open' AND resumable;
+CREATE INDEX IF NOT EXISTS sweep_job_completed
+    ON pin_nightly.sweep (job, completed_at DESC) WHERE status = 'done';
+
+-- Contiguous keyset ranges (lower_id, upper_id] of a sweep; NULL bounds are open ends.
+-- cursor_id is the checkpoint: the last id handled, advanced in the same transaction as the
+-- batch's writes. Counters belong to the run in run_id (reset when another run adopts the range):
+-- rows_processed = rows checked, rows_changed = rows corrected/updated, rows_written = extra
+-- rows written (popularity snapshots), skipped_locked = rows left because locked.
+CREATE TABLE IF NOT EXISTS pin_nightly.sweep_range (
+    sweep_id        bigint      NOT NULL REFERENCES pin_nightly.sweep ON DELETE CASCADE,
+    range_no        integer     NOT NULL,
+    lower_id        uuid,
+    upper_id        uuid,
+    planned_rows    bigint      NOT NULL DEFAULT 0,
+    cursor_id       uuid,
+    status          text        NOT NULL DEFAULT 'pending'
+                    CHECK (status IN ('pending', 'done')),
+    run_id          text        NOT NULL,
+    rows_processed  bigint      NOT NULL DEFAULT 0,
+    rows_changed    bigint      NOT NULL DEFAULT 0,
+    batches         integer     NOT NULL DEFAULT 0,
+    skipped_locked  integer     NOT NULL DEFAULT 0,
+    item_errors     integer     NOT NULL DEFAULT 0,
+    rows_written    bigint      NOT NULL DEFAULT 0,
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (sweep_id, range_no)
+);
+
+-- One row per Airflow run: its result, as the summary task computed it.
+CREATE TABLE IF NOT EXISTS pin_nightly.run_log (
+    job         text        NOT NULL,
+    run_id      text        NOT NULL,
+    status      text        NOT NULL,
+    result      jsonb       NOT NULL,
+    started_at  timestamptz,
+    finished_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (job, run_id)
+);
+
+-- news_comment_reconcile: every correction (or, in a dry run, every drift found).
+CREATE TABLE IF NOT EXISTS pin_nightly.news_drift (
+    sweep_id    bigint      NOT NULL,
+    run_id      text        NOT NULL,
+    post_id     uuid        NOT NULL,
+    count_from  integer     NOT NULL,
+    count_to    integer     NOT NULL,
+    dry_run     boolean     NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS news_drift_run ON pin_nightly.news_drift (run_id);
+
+-- news_comment_reconcile, DailyWindow: the candidate posts of a window sweep, materialized once
+-- from the comments' updated_at index so that a resumed sweep sees the same set.
+CREATE TABLE IF NOT EXISTS pin_nightly.news_window_candidate (
+    sweep_id bigint NOT NULL REFERENCES pin_nightly.sweep ON DELETE CASCADE,
+    post_id  uuid   NOT NULL,
+    PRIMARY KEY (sweep_id, post_id)
+);
+
+-- news_comment_reconcile: posts that stayed locked by the hot path through a run; the next
+-- run of any scope checks them first.
+CREATE TABLE IF NOT EXISTS pin_nightly.news_skipped_post (
+    post_id    uuid        PRIMARY KEY,
+    skipped_at timestamptz NOT NULL DEFAULT now()
+);

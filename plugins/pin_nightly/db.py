@@ -1,0 +1,149 @@
+"""Database access: connections through Airflow's PostgresHook, SQL files, transactions."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+
+class JobConfigError(ValueError):
+    """Options or environment that make a run impossible; raised before any write."""
+
+
+class LeaseLost(RuntimeError):
+    """The run's lease expired or was taken over: the worker must stop writing (fencing)."""
+
+
+def sql_dir() -> Path:
+    """``include/sql`` next to ``plugins/`` (override with ``PIN_SQL_DIR``)."""
+    override = os.environ.get("PIN_SQL_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[2] / "include" / "sql"
+
+
+@functools.lru_cache(maxsize=None)
+def sql(name: str) -> str:
+    """The text of ``include/sql/<name>.sql``."""
+    path = sql_dir() / f"{name}.sql"
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:  # a packaging error, say where we looked
+        raise FileNotFoundError(f"SQL file {path} is missing (set PIN_SQL_DIR?)") from exc
+
+
+def connect(conn_id: str):
+    """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off.
+
+    A missing Airflow connection or an unreachable server raises :class:`JobConfigError` naming
+    the connection, so that the task fails before it touches any data.
+    """
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    try:
+        hook = PostgresHook(postgres_conn_id=conn_id)
+        conn = hook.get_conn()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the connection named
+        name = type(exc).__name__
+        if "ConnectionNotFound" in name or "not defined" in str(exc):
+            raise JobConfigError(
+                f"Airflow connection {conn_id!r} is not defined: create it (UI Admin > "
+                f"Connections, or AIRFLOW_CONN_{conn_id.upper()})"
+            ) from exc
+        raise JobConfigError(
+            f"cannot connect to the database of Airflow connection {conn_id!r}: {exc}"
+        ) from exc
+    conn.autocommit = False
+    return conn
+
+
+@contextmanager
+def connection(conn_id: str) -> Iterator[Any]:
+    conn = connect(conn_id)
+    try:
+        yield conn
+    finally:
+        try:
+            conn.rollback()
+        except Exception:  # noqa: BLE001 - the connection may already be broken
+            pass
+        conn.close()
+
+
+@contextmanager
+def transaction(conn) -> Iterator[Any]:
+    """A cursor inside one transaction: commit on success, roll back on any error."""
+    cur = conn.cursor()
+    try:
+        yield cur
+        conn.commit()
+    except BaseException:
+        try:
+            conn.rollback()
+        except Exception:  # noqa: BLE001 - keep the original error
+            log.warning("rollback failed after an error; the connection is broken")
+        raise
+    finally:
+        cur.close()
+
+
+def fetch_dicts(cur) -> list[dict[str, Any]]:
+    if cur.description is None:
+        return []
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def fetch_one_dict(cur) -> dict[str, Any] | None:
+    rows = fetch_dicts(cur)
+    return rows[0] if rows else None
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """SQLSTATE of a psycopg 3 or psycopg2 error."""
+    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+
+
+def ensure_schema(conn, probe: str, ddl_name: str) -> bool:
+    """Apply ``include/sql/<ddl_name>.sql`` when relation ``probe`` is absent. True if applied."""
+    with transaction(conn) as cur:
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (probe,))
+        if cur.fetchone()[0]:
+            return False
+        log.info("creating job-owned tables from include/sql/%s.sql", ddl_name)
+        cur.execute(sql(ddl_name))
+    return True
+
+
+def check_columns(conn, table: str, columns: list[str]) -> None:
+    """Fail with a clear message if a domain table or one of its columns is missing."""
+    schema, name = table.split(".")
+    with transaction(conn) as cur:
+        cur.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_schema = %s AND table_name = %s",
+            (schema, name),
+        )
+        present = {r[0] for r in cur.fetchall()}
+    if not present:
+        raise JobConfigError(f"domain table {table} does not exist (or is not readable)")
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise JobConfigError(f"domain table {table} lacks column(s): {', '.join(missing)}")
+
+
+def has_index_on(conn, table: str, expression_fragment: str) -> bool:
+    """Whether some index of ``table`` has ``expression_fragment`` in its definition."""
+    with transaction(conn) as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname || '.' || tablename = %s "
+            "AND indexdef ILIKE %s",
+            (table, f"%{expression_fragment}%"),
+        )
+        return cur.fetchone()[0] > 0

@@ -1,0 +1,110 @@
+"""What both jobs share around the keyset machinery: run identity, lease tasks, the run log."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from pin_nightly import lease as leases
+from pin_nightly.db import check_columns, connection, ensure_schema, has_index_on
+
+log = logging.getLogger(__name__)
+
+LOCK_HELD = "skipped, lock held"
+
+
+@dataclass(frozen=True)
+class JobDef:
+    code: str  # the job code of the spec, e.g. news-comment-reconcile
+    dag_id: str
+    conn_id: str
+    lock_key: str
+    domain_columns: dict[str, list[str]]
+    # (relation that proves the DDL was applied, include/sql file with the DDL)
+    owned_ddl: list[tuple[str, str]]
+    # (table, fragment of the index definition, human name) of recommended indexes
+    recommended_indexes: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def run_identity(context: dict[str, Any]) -> dict[str, Any]:
+    """dag_id, run_id and the instant the run is about (logical date, or run-after for manual runs)."""
+    dag_run = context.get("dag_run")
+    logical = context.get("logical_date")
+    if logical is None and dag_run is not None:
+        logical = getattr(dag_run, "logical_date", None) or getattr(dag_run, "run_after", None)
+    if logical is None:
+        logical = datetime.now(timezone.utc)
+    run_id = context.get("run_id") or getattr(dag_run, "run_id", None)
+    dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(dag_run, "dag_id", None)
+    return {"dag_id": dag_id, "run_id": run_id, "run_instant": logical}
+
+
+def holder_of(context: dict[str, Any]) -> str:
+    ident = run_identity(context)
+    return f"{ident['dag_id']}/{ident['run_id']}"
+
+
+def preflight(conn, job: JobDef) -> list[str]:
+    """Check the domain tables, create the job-owned tables if absent; return warnings."""
+    for table, columns in job.domain_columns.items():
+        check_columns(conn, table, columns)
+    for probe, ddl in job.owned_ddl:
+        ensure_schema(conn, probe, ddl)
+    warnings = []
+    for table, fragment, name in job.recommended_indexes:
+        if not has_index_on(conn, table, fragment):
+            msg = (f"recommended index {name} on {table} is missing: the job stays correct "
+                   "but slower (include/sql/schema/ has the migration)")
+            log.warning(msg)
+            warnings.append(msg)
+    return warnings
+
+
+def acquire_lease(job: JobDef, opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """The setup task: preflight checks, then take the lease or skip the run's work."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    holder = holder_of(context)
+    with connection(job.conn_id) as conn:
+        warnings = preflight(conn, job)
+        got = leases.acquire(conn, job.lock_key, holder, opts["lock_ttl_minutes"],
+                             opts["max_run_duration_minutes"])
+    if isinstance(got, leases.LeaseHeld):
+        log.warning("%s: %s (key=%s holder=%s expires_at=%s)", job.code, LOCK_HELD,
+                    job.lock_key, got.holder, got.expires_at)
+        raise AirflowSkipException(f"{LOCK_HELD} by {got.holder} until {got.expires_at}")
+    log.info("lease %s acquired by %s (token %s); run deadline %s", job.lock_key, holder,
+             got.token, got.run_deadline_at)
+    return {**got.to_xcom(), "warnings": warnings}
+
+
+def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
+    if not data:
+        return None
+    return leases.Lease.from_xcom({k: data[k] for k in
+                                   ("lock_key", "holder", "token", "acquired_at",
+                                    "run_deadline_at")})
+
+
+def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
+    """The teardown task: release the lease if this run holds it."""
+    lease = lease_from_xcom(lease_data)
+    if lease is None:
+        log.info("no lease was taken by this run: nothing to release")
+        return False
+    with connection(job.conn_id) as conn:
+        return leases.release(conn, lease)
+
+
+def pull_lease(context: dict[str, Any]) -> dict[str, Any] | None:
+    """The lease XCom of this run, or None when acquire_lease was skipped."""
+    return context["ti"].xcom_pull(task_ids="acquire_lease")
+
+
+def elapsed_ms(lease: leases.Lease | None) -> int:
+    if lease is None:
+        return 0
+    started = datetime.fromisoformat(lease.acquired_at)
+    return int((datetime.now(timezone.utc) - started).total_seconds() * 1000)

@@ -1,0 +1,299 @@
+"""news_comment_reconcile: recount ``news.posts.comments_count`` from the visible comments.
+
+Each batch is one transaction: lock the range's next posts ``FOR UPDATE SKIP LOCKED``; count
+their visible comments in a second statement (its snapshot is taken after the locks are held);
+correct only the drifted posts and record each correction; advance the range cursor.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pendulum
+
+from pin_nightly import keyset, metrics
+from pin_nightly.db import JobConfigError, connection, fetch_dicts, sql
+from pin_nightly.jobs import (
+    LOCK_HELD, JobDef, acquire_lease, elapsed_ms, lease_from_xcom, pull_lease, run_identity,
+)
+
+log = logging.getLogger(__name__)
+
+TZ = "Europe/Moscow"
+METRIC = "news_comment_reconcile"
+# A window reaches back this far before the start of the last completed sweep, to cover
+# transactions that were in flight when it started.
+WINDOW_MARGIN = timedelta(hours=1)
+SCOPES = ("auto", "DailyWindow", "FullSweep")
+
+JOB = JobDef(
+    code="news-comment-reconcile",
+    dag_id="news_comment_reconcile",
+    conn_id="news_db",
+    lock_key="Pin:lock:job:scheduled:news-comment-reconcile",
+    domain_columns={
+        "news.posts": ["id", "status", "comments_count", "updated_at"],
+        "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
+    },
+    owned_ddl=[("pin_nightly.news_skipped_post", "schema/pin_nightly")],
+    recommended_indexes=[
+        ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
+        ("news.comments", "(updated_at)", "ix_comments_updated_at"),
+    ],
+)
+
+DEFAULTS: dict[str, Any] = {
+    "scope": "auto",
+    "full_sweep_cron": "0 3 * * 0",
+    "batch_size": 500,
+    "window_lookback_hours": 26,
+    "max_run_duration_minutes": 20,
+    "lock_ttl_minutes": 30,
+    "drift_alert_threshold": 1000,
+    "post_ids": [],
+    "dry_run": False,
+    "max_ranges": 8,
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
+    if not isinstance(values, list):
+        errors.append(f"{name} must be a list of uuids, got {type(values).__name__}")
+        return []
+    out: list[str] = []
+    for v in values:
+        try:
+            if not isinstance(v, str):
+                raise ValueError(v)
+            out.append(str(uuid.UUID(v)))
+        except ValueError:
+            errors.append(f"{name} contains {v!r}, which is not a uuid")
+    return sorted(set(out))
+
+
+def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:
+    """Whether ``cron`` (read in ``tz``) fires on the calendar day of ``instant`` in ``tz``."""
+    from croniter import croniter
+
+    local = pendulum.instance(instant).in_timezone(tz)
+    day_start = local.start_of("day")
+    nxt = croniter(cron, day_start.subtract(seconds=1)).get_next(datetime)
+    return pendulum.instance(nxt, tz=tz) < day_start.add(days=1)
+
+
+def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """Check every option and the rules across them; resolve the scope. No database access."""
+    from croniter import croniter
+
+    p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
+    errors: list[str] = []
+    if p["scope"] not in SCOPES:
+        errors.append(f"scope must be one of {', '.join(SCOPES)}, got {p['scope']!r}")
+    for name, minimum in (("batch_size", 1), ("max_ranges", 1), ("drift_alert_threshold", 0)):
+        if not _is_int(p[name]) or p[name] < minimum:
+            errors.append(f"{name} must be an integer >= {minimum}, got {p[name]!r}")
+    for name in ("window_lookback_hours", "max_run_duration_minutes", "lock_ttl_minutes"):
+        if not _is_number(p[name]) or p[name] <= 0:
+            errors.append(f"{name} must be a number > 0, got {p[name]!r}")
+    if not isinstance(p["dry_run"], bool):
+        errors.append(f"dry_run must be true or false, got {p['dry_run']!r}")
+    if not isinstance(p["full_sweep_cron"], str) or not croniter.is_valid(p["full_sweep_cron"]):
+        errors.append(f"full_sweep_cron is not a valid cron expression: {p['full_sweep_cron']!r}")
+    post_ids = parse_uuids("post_ids", p["post_ids"], errors)
+    if (_is_number(p["lock_ttl_minutes"]) and _is_number(p["max_run_duration_minutes"])
+            and p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]):
+        errors.append(
+            f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
+            f"({p['max_run_duration_minutes']}): the lock must outlive the run")
+    if post_ids and p["scope"] != "auto":
+        errors.append(f"post_ids asks for a targeted repair; leave scope at 'auto' "
+                      f"(got {p['scope']!r})")
+    if errors:
+        raise JobConfigError("invalid options: " + "; ".join(errors))
+
+    ident = run_identity(context)
+    instant = ident["run_instant"]
+    if post_ids:
+        scope = "Targeted"
+    elif p["scope"] == "auto":
+        scope = ("FullSweep" if cron_fires_on_day(p["full_sweep_cron"], instant, TZ)
+                 else "DailyWindow")
+    else:
+        scope = p["scope"]
+    opts = {**p, "post_ids": post_ids, "effective_scope": scope,
+            "run_instant": pendulum.instance(instant).in_timezone(TZ).isoformat()}
+    log.info("options: scope=%s (asked %s) batch_size=%s max_run_duration_minutes=%s "
+             "dry_run=%s post_ids=%d", scope, p["scope"], p["batch_size"],
+             p["max_run_duration_minutes"], p["dry_run"], len(post_ids))
+    return opts
+
+
+def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
+    now = datetime.now(timezone.utc)
+    cutoff = now - timedelta(hours=opts["window_lookback_hours"])
+    cur.execute(sql("news/window_cutoff"), {"job": JOB.code})
+    covered = cur.fetchone()[0]
+    if covered is not None and covered - WINDOW_MARGIN < cutoff:
+        log.info("last completed sweep started %s: window reaches back to it", covered)
+        cutoff = covered - WINDOW_MARGIN
+    return cutoff
+
+
+def plan_ranges(opts: dict[str, Any], context: dict[str, Any]) -> list[dict[str, Any]]:
+    """Open (or adopt) the run's sweep and return the ranges left to reconcile."""
+    ident = run_identity(context)
+    scope = opts["effective_scope"]
+    candidate_mode = scope != "FullSweep"
+    spec = keyset.SweepSpec(
+        job=JOB.code, scope=scope + (" (dry run)" if opts["dry_run"] else ""), family=scope,
+        resumable=scope != "Targeted" and not opts["dry_run"],
+        params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])})
+
+    def prepare(cur, sweep):
+        if scope == "DailyWindow":
+            cutoff = _window_cutoff(cur, opts)
+            cur.execute(sql("news/window_candidates"),
+                        {"sweep_id": sweep["sweep_id"], "cutoff": cutoff})
+            log.info("DailyWindow: %d candidate posts with comment activity since %s",
+                     cur.rowcount, cutoff.isoformat())
+            cur.execute("UPDATE pin_nightly.sweep SET params = params || %s::jsonb "
+                        "WHERE sweep_id = %s",
+                        (f'{{"cutoff": "{cutoff.isoformat()}"}}', sweep["sweep_id"]))
+        elif scope == "Targeted":
+            cur.execute(sql("news/targeted_candidates"),
+                        {"sweep_id": sweep["sweep_id"], "post_ids": opts["post_ids"]})
+
+    def plan(cur, sweep):
+        source = sql("news/candidate_source" if candidate_mode else "news/full_source")
+        return keyset.boundaries(cur, source.strip(), {"sweep_id": sweep["sweep_id"]},
+                                 opts["batch_size"], opts["max_ranges"])
+
+    with connection(JOB.conn_id) as conn:
+        sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan, prepare)
+    ranges = keyset.pending_ranges(sweep, scope)
+    log.info("job started: run=%s scope=%s sweep=%s ranges=%d dry_run=%s",
+             ident["run_id"], scope, sweep["sweep_id"], len(ranges), opts["dry_run"])
+    return ranges
+
+
+def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode: bool):
+    lock_sql = sql("news/candidate_lock" if candidate_mode else "news/full_lock")
+    dry_run = opts["dry_run"]
+
+    def batch(cur, after_id, upper_id, limit, only_ids):
+        if only_ids:
+            cur.execute(sql("news/ids_lock"), {"ids": only_ids})
+        else:
+            cur.execute(lock_sql, {"sweep_id": sweep_id, "after_id": after_id,
+                                   "upper_id": upper_id, "limit": limit})
+        rows = fetch_dicts(cur)
+        if not rows:
+            return keyset.Batch(last_id=None, full=False)
+        locked = [r["id"] for r in rows if r["eligible"] and r["locked"]]
+        skipped = [r["id"] for r in rows if r["eligible"] and not r["locked"]]
+        drift: list[dict[str, Any]] = []
+        if locked:
+            cur.execute(sql("news/apply"), {"ids": locked, "dry_run": dry_run,
+                                            "sweep_id": sweep_id, "run_id": run_id})
+            drift = fetch_dicts(cur)
+        if skipped and not dry_run:
+            cur.execute(sql("news/skipped_record"), {"ids": skipped})
+        for d in drift:
+            log.debug("drift %s: post %s comments_count %s -> %s",
+                      "found" if dry_run else "corrected", d["id"], d["count_from"],
+                      d["count_to"])
+        return keyset.Batch(last_id=rows[-1]["id"], full=len(rows) >= limit,
+                            processed=len(locked), changed=len(drift), skipped_ids=skipped)
+
+    return batch
+
+
+def reconcile_range(rng: dict[str, Any], opts: dict[str, Any],
+                    lease_data: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """One mapped task: reconcile a keyset range batch by batch from its cursor."""
+    ident = run_identity(context)
+    lease = lease_from_xcom(lease_data)
+    batch = make_batch(opts, rng["sweep_id"], ident["run_id"],
+                       candidate_mode=opts["effective_scope"] != "FullSweep")
+    try:
+        with connection(JOB.conn_id) as conn, keyset.StopSignal() as stop:
+            res = keyset.run_range(conn, rng, lease, opts["batch_size"], batch, stop=stop)
+    except Exception:
+        metrics.incr(f"{METRIC}_errors_total")
+        raise
+    out = res.__dict__ | {"label": rng["label"]}
+    log.info("range %s %s: posts_reconciled=%d drift_corrected=%d batches=%d "
+             "skipped_locked=%d (retried %d)", rng["label"], res.status, res.processed,
+             res.changed, res.batches, res.skipped_locked, res.retried)
+    if res.status == "stopped":
+        raise keyset.GracefulStop(f"stopped on request after {res.batches} batch(es); "
+                                  f"committed work is kept, cursor {res.cursor_id}")
+    return out
+
+
+def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics."""
+    ident = run_identity(context)
+    lease_data = pull_lease(context)
+    lease = lease_from_xcom(lease_data)
+    result: dict[str, Any] = {
+        "status": "success", "scope": opts["effective_scope"], "dry_run": opts["dry_run"],
+        "posts_reconciled": 0, "drift_corrected": 0, "batches_processed": 0,
+        "last_post_id": None, "backlog_remaining": False, "duration_ms": 0,
+        "posts_skipped_locked": 0, "sweep_id": None, "run_id": ident["run_id"],
+    }
+    with connection(JOB.conn_id) as conn:
+        if lease is None:
+            result["status"] = LOCK_HELD
+            log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
+        else:
+            totals = keyset.run_totals(conn, JOB.code, ident["run_id"])
+            keyset.close_sweeps(conn, [t["sweep_id"] for t in totals])
+            for t in keyset.run_totals(conn, JOB.code, ident["run_id"]):
+                result["sweep_id"] = t["sweep_id"]
+                result["posts_reconciled"] += t["rows_processed"]
+                result["drift_corrected"] += t["rows_changed"]
+                result["batches_processed"] += t["batches"]
+                result["posts_skipped_locked"] += t["skipped_locked"]
+                result["backlog_remaining"] |= t["sweep_status"] == "open"
+                result["last_post_id"] = max(filter(None, [result["last_post_id"],
+                                                           t["last_id"]]), default=None)
+            result["duration_ms"] = elapsed_ms(lease)
+            if result["backlog_remaining"]:
+                result["status"] = "backlog_remaining"
+        keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
+                             lease.acquired_at if lease else None)
+    log.info("job completed: posts_reconciled=%(posts_reconciled)s "
+             "drift_corrected=%(drift_corrected)s batches=%(batches_processed)s "
+             "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
+             "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s",
+             result)
+    if lease is not None:
+        _emit(result)
+        if result["drift_corrected"] > opts["drift_alert_threshold"]:
+            from pin_nightly import alerts
+
+            alerts.drift_alert(JOB.dag_id, ident["run_id"], result, opts["drift_alert_threshold"])
+    return result
+
+
+def _emit(result: dict[str, Any]) -> None:
+    if result["dry_run"]:
+        return
+    metrics.incr(f"{METRIC}_posts_reconciled_total", result["posts_reconciled"])
+    metrics.incr(f"{METRIC}_drift_corrected_total", result["drift_corrected"])
+    metrics.timing(f"{METRIC}_run_duration_ms", result["duration_ms"])
+    metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
+    metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])
+    metrics.last_success(METRIC)
