@@ -31,8 +31,9 @@ Progress lives in PostgreSQL (`pin_nightly.sweep_range` cursors): clearing a fai
 
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
-- `acquire_lease` skipped with `skipped, lock held`: another run (maybe another deployment)
-  holds `Pin:lock:job:scheduled:news-comment-reconcile`; it expires by its TTL.
+- summary `status: skipped, lock held` (and that line in `acquire_lease`'s log): another run
+  (maybe another deployment) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
+  nothing and succeeded. The lease expires by its TTL (`pin_nightly.job_lease` shows the holder).
 - a `reconcile_range` failed: read its log, fix the cause (database down, lease lost), then
   clear that task instance: it resumes from its cursor.
 - `drift_corrected` above `drift_alert_threshold`: a bug in the hot-path increment; the job
@@ -53,8 +54,9 @@ with DAG(
     max_active_runs=1,
     doc_md=DOC_MD,
     tags=["pin-nightly", "news"],
-    default_args={"owner": "PIN Engagement", "retries": 1,
-                  "retry_delay": pendulum.duration(minutes=2)},
+    # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
+    # retried reconcile_range resumes from its cursor.
+    default_args={"owner": "PIN Engagement"},
     params={
         "scope": Param("auto", enum=list(news.SCOPES),
                        description="auto = FullSweep on nights matching full_sweep_cron "
@@ -92,8 +94,8 @@ with DAG(
         return news.acquire_lease(news.JOB, opts, get_current_context())
 
     @task(pool=POOL)
-    def plan_ranges(opts: dict) -> list[dict]:
-        return news.plan_ranges(opts, get_current_context())
+    def plan_ranges(opts: dict, lease: dict) -> list[dict]:
+        return news.plan_ranges(opts, lease, get_current_context())
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
     def reconcile_range(rng: dict, opts: dict, lease: dict) -> dict:
@@ -112,8 +114,6 @@ with DAG(
 
     opts = validate_options()
     lease = acquire_lease(opts)
-    ranges = plan_ranges(opts)
+    ranges = plan_ranges(opts, lease)
     done = reconcile_range.partial(opts=opts, lease=lease).expand(rng=ranges)
-    summary = summarize(opts)
-    lease >> ranges
-    done >> summary >> release_lease(lease)
+    done >> summarize(opts) >> release_lease(lease)

@@ -28,8 +28,11 @@ def admin_dsn() -> str:
     if dsn:
         return dsn
     if _server is None:
+        import logging
+
         import pgserver
 
+        logging.getLogger("pgserver").setLevel(logging.WARNING)
         _server = pgserver.get_server(str(PGDATA), cleanup_mode="stop")
     return _server.get_uri()
 

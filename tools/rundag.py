@@ -22,8 +22,13 @@ def load_dag(dag_id: str):
 
 
 def run_dag(dag_id: str, conf: dict[str, Any] | None = None,
-            logical_date: datetime | None = None) -> dict[str, Any]:
-    """Run the DAG once; return run id, state, task states and the summary XCom."""
+            logical_date: datetime | None = None, run_after: datetime | None = None
+            ) -> dict[str, Any]:
+    """Run the DAG once; return run id, state, task states and the summary XCom.
+
+    Passing the ``logical_date`` and ``run_after`` of an earlier call runs the same DAG run
+    again: its task instances are cleared and run, as when a run is cleared in the UI.
+    """
     from airflow.models.dagrun import DagRun
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
@@ -32,6 +37,8 @@ def run_dag(dag_id: str, conf: dict[str, Any] | None = None,
     kwargs: dict[str, Any] = {"run_conf": conf or {}}
     if logical_date is not None:
         kwargs["logical_date"] = logical_date
+    if run_after is not None:
+        kwargs["run_after"] = run_after
     dr = dag.test(**kwargs)
     with create_session() as session:
         dr = session.query(DagRun).filter(DagRun.dag_id == dag_id,

@@ -63,9 +63,11 @@ def preflight(conn, job: JobDef) -> list[str]:
 
 
 def acquire_lease(job: JobDef, opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    """The setup task: preflight checks, then take the lease or skip the run's work."""
-    from airflow.sdk.exceptions import AirflowSkipException
+    """The setup task: preflight checks, then take the lease.
 
+    When another holder has it, the run's work is skipped: the result says
+    ``acquired: False`` and the planning task plans nothing (the run succeeds, doing nothing).
+    """
     holder = holder_of(context)
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
@@ -74,14 +76,15 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], context: dict[str, Any]) ->
     if isinstance(got, leases.LeaseHeld):
         log.warning("%s: %s (key=%s holder=%s expires_at=%s)", job.code, LOCK_HELD,
                     job.lock_key, got.holder, got.expires_at)
-        raise AirflowSkipException(f"{LOCK_HELD} by {got.holder} until {got.expires_at}")
+        return {"acquired": False, "holder": got.holder, "expires_at": got.expires_at}
     log.info("lease %s acquired by %s (token %s); run deadline %s", job.lock_key, holder,
              got.token, got.run_deadline_at)
-    return {**got.to_xcom(), "warnings": warnings}
+    return {**got.to_xcom(), "acquired": True, "warnings": warnings}
 
 
 def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
-    if not data:
+    """The lease this run holds, or None when it did not get it."""
+    if not data or not data.get("acquired"):
         return None
     return leases.Lease.from_xcom({k: data[k] for k in
                                    ("lock_key", "holder", "token", "acquired_at",
@@ -99,7 +102,7 @@ def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
 
 
 def pull_lease(context: dict[str, Any]) -> dict[str, Any] | None:
-    """The lease XCom of this run, or None when acquire_lease was skipped."""
+    """The lease XCom of this run."""
     return context["ti"].xcom_pull(task_ids="acquire_lease")
 
 

@@ -106,12 +106,14 @@ def open_sweep(conn, spec: SweepSpec, run_id: str,
     return sweep
 
 
-def pending_ranges(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """Small descriptors of the ranges still to do, for ``expand``."""
+def range_descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    """Small descriptors of all ranges of the sweep, for ``expand``.
+
+    Ranges already done are included (their tasks return at once) so that a range keeps its
+    map index when the planning task is cleared and re-run.
+    """
     out = []
     for r in sweep["ranges"]:
-        if r["status"] == "done":
-            continue
         d = {"sweep_id": sweep["sweep_id"], "range_no": r["range_no"], "prefix": prefix,
              "lower_id": r["lower_id"], "upper_id": r["upper_id"]}
         d["label"] = range_label(d)
@@ -206,22 +208,22 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
         if stop.requested:
             res.status = "stopped"
             break
-        if lease.past_deadline():
-            res.status = "interrupted"
-            log.warning("max run duration reached (deadline %s): range %s stops at cursor %s",
-                        lease.run_deadline_at, rng.get("label", key), cursor)
-            break
         started = time.monotonic()
         with transaction(conn) as cur:
-            renew_due = leases.fence(cur, lease)
-            b = batch(cur, cursor, upper, batch_size, None)
-            if b.last_id is not None:
+            past_deadline, renew_due = leases.fence(cur, lease)
+            b = None if past_deadline else batch(cur, cursor, upper, batch_size, None)
+            if b is not None and b.last_id is not None:
                 cur.execute(sql("common/range_advance"), {
                     **key, "cursor_id": b.last_id, "processed": b.processed,
                     "changed": b.changed, "written": b.written,
                     "skipped": len(b.skipped_ids), "item_errors": b.item_errors})
                 if cur.fetchone() is None:
                     raise RuntimeError(f"range {key} was closed by someone else")
+        if b is None:
+            res.status = "interrupted"
+            log.warning("max run duration reached: range %s stops at cursor %s; the next run "
+                        "resumes from it", rng.get("label", key), cursor)
+            break
         if renew_due:
             leases.renew(conn, lease)
         if b.last_id is not None:
@@ -254,11 +256,10 @@ def _retry_skipped(conn, key, lease, batch: BatchFn, skipped: list[str], timeout
                    res: RangeResult) -> None:
     """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock."""
     for row_id in skipped:
-        if lease.past_deadline():
-            break
         try:
             with transaction(conn) as cur:
-                leases.fence(cur, lease)
+                if leases.fence(cur, lease)[0]:
+                    break
                 cur.execute(f"SET LOCAL lock_timeout = {int(timeout_ms)}")
                 b = batch(cur, None, None, 1, [row_id])
                 cur.execute(sql("common/range_retried"), {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 from pin_nightly.db import LeaseLost, fetch_one_dict, sql, transaction
@@ -32,13 +31,6 @@ class Lease:
     @classmethod
     def from_xcom(cls, data: dict[str, Any]) -> "Lease":
         return cls(**data)
-
-    @property
-    def deadline(self) -> datetime:
-        return datetime.fromisoformat(self.run_deadline_at)
-
-    def past_deadline(self) -> bool:
-        return datetime.now(timezone.utc) >= self.deadline
 
 
 @dataclass(frozen=True)
@@ -71,10 +63,11 @@ def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minute
     )
 
 
-def fence(cur, lease: Lease) -> bool:
+def fence(cur, lease: Lease) -> tuple[bool, bool]:
     """Inside a batch transaction: raise :class:`LeaseLost` unless the lease is still ours.
 
-    Returns whether the lease is due for renewal (less than half of its TTL left).
+    Returns ``(past_deadline, renew_due)``: whether the run's deadline has passed (no new batch
+    may start) and whether less than half of the lease's TTL is left.
     """
     cur.execute(sql("common/lease_fence"), {"lock_key": lease.lock_key, "token": lease.token})
     row = cur.fetchone()
@@ -83,8 +76,7 @@ def fence(cur, lease: Lease) -> bool:
             f"lease {lease.lock_key!r} (token {lease.token}) expired or was taken over; "
             "stopping before the next write"
         )
-    remaining, ttl = row
-    return remaining < ttl / 2
+    return bool(row[0]), bool(row[1])
 
 
 def renew(conn, lease: Lease) -> None:

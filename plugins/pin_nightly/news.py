@@ -150,8 +150,12 @@ def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
     return cutoff
 
 
-def plan_ranges(opts: dict[str, Any], context: dict[str, Any]) -> list[dict[str, Any]]:
-    """Open (or adopt) the run's sweep and return the ranges left to reconcile."""
+def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
+                context: dict[str, Any]) -> list[dict[str, Any]]:
+    """Open (or adopt) the run's sweep and return its ranges (none when the lease is held)."""
+    if lease_from_xcom(lease_data) is None:
+        log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
+        return []
     ident = run_identity(context)
     scope = opts["effective_scope"]
     candidate_mode = scope != "FullSweep"
@@ -181,7 +185,7 @@ def plan_ranges(opts: dict[str, Any], context: dict[str, Any]) -> list[dict[str,
 
     with connection(JOB.conn_id) as conn:
         sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan, prepare)
-    ranges = keyset.pending_ranges(sweep, scope)
+    ranges = keyset.range_descriptors(sweep, scope)
     log.info("job started: run=%s scope=%s sweep=%s ranges=%d dry_run=%s",
              ident["run_id"], scope, sweep["sweep_id"], len(ranges), opts["dry_run"])
     return ranges

@@ -1,0 +1,98 @@
+"""Test helpers: data builders and readers over a real PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+import psycopg
+
+from tools.demodata import uuid7
+
+_rnd = random.Random(1234)
+_clock = [datetime(2026, 1, 1, tzinfo=timezone.utc)]
+
+
+def new_id(at: datetime | None = None) -> str:
+    """A fresh uuid v7, increasing across calls (keyset order = creation order)."""
+    if at is None:
+        _clock[0] += timedelta(milliseconds=1)
+        at = _clock[0]
+    return str(uuid7(at, _rnd))
+
+
+class NewsDB:
+    def __init__(self, dsn: str, conn: psycopg.Connection):
+        self.dsn = dsn
+        self.conn = conn
+
+    def q(self, sql: str, *params: Any) -> list[tuple]:
+        cur = self.conn.execute(sql, params or None)
+        return cur.fetchall() if cur.description else []
+
+    def one(self, sql: str, *params: Any) -> Any:
+        return self.q(sql, *params)[0][0]
+
+    def post(self, count: int = 0, visible: int = 0, hidden: int = 0, deleted: int = 0,
+             status: str = "Published", comments_at: datetime | None = None,
+             updated_at: datetime | None = None) -> str:
+        pid = new_id()
+        self.conn.execute(
+            "INSERT INTO news.posts (id, status, comments_count, updated_at) "
+            "VALUES (%s, %s, %s, %s)",
+            (pid, status, count, updated_at or datetime(2026, 1, 1, tzinfo=timezone.utc)))
+        at = comments_at or datetime.now(timezone.utc) - timedelta(days=10)
+        for st, n in (("Visible", visible), ("HiddenByModerator", hidden),
+                      ("DeletedByAuthor", deleted)):
+            for _ in range(n):
+                self.conn.execute(
+                    "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+                    "VALUES (%s, %s, %s, %s, %s)", (new_id(), pid, st, at, at))
+        return pid
+
+    def posts(self, n: int, drift_every: int = 0, visible: int = 2) -> list[str]:
+        """n posts with ``visible`` visible comments each; every drift_every-th one drifted."""
+        ids = []
+        for i in range(n):
+            drifted = drift_every and i % drift_every == 0
+            ids.append(self.post(count=visible + (3 if drifted else 0), visible=visible))
+        return ids
+
+    def count(self, pid: str) -> int:
+        return self.one("SELECT comments_count FROM news.posts WHERE id = %s", pid)
+
+    def post_row(self, pid: str) -> tuple:
+        return self.q("SELECT id, status, comments_count, updated_at FROM news.posts "
+                      "WHERE id = %s", pid)[0]
+
+    def drifted_posts(self) -> int:
+        return self.one(
+            "SELECT count(*) FROM news.posts p WHERE p.status IS DISTINCT FROM 'Archived' AND "
+            "p.comments_count <> (SELECT count(*) FROM news.comments c "
+            "WHERE c.post_id = p.id AND c.status = 'Visible')")
+
+    def snapshot(self) -> list[tuple]:
+        return self.q("SELECT id, status, comments_count, updated_at FROM news.posts ORDER BY id")
+
+
+def when(condition: Callable[[], bool], action: Callable[[], None], timeout: float = 60,
+         poll: float = 0.01) -> threading.Thread:
+    """In a background thread: once ``condition()`` holds, run ``action()``."""
+
+    def loop():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if condition():
+                    action()
+                    return
+            except Exception:  # noqa: BLE001 - the tables may not exist yet
+                pass
+            time.sleep(poll)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t

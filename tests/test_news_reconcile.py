@@ -1,0 +1,335 @@
+"""news_comment_reconcile end to end: real Airflow (dag.test) on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+import pytest
+
+from tests.helpers import when
+from tools.rundag import run_dag
+
+DAG = "news_comment_reconcile"
+FULL = {"scope": "FullSweep"}
+
+
+def run(conf=None, **kw):
+    return run_dag(DAG, conf, **kw)
+
+
+def assert_ok(r):
+    assert r["state"] == "success", r["tasks"]
+    return r["summary"]
+
+
+def test_empty_database_is_a_noop_success(news_db):
+    s = assert_ok(run(FULL))
+    assert s["posts_reconciled"] == 0
+    assert s["drift_corrected"] == 0
+    assert s["backlog_remaining"] is False
+    assert s["status"] == "success"
+
+
+def test_all_counters_correct_is_a_noop(news_db):
+    ids = news_db.posts(20, visible=2)
+    before = news_db.snapshot()
+    s = assert_ok(run(FULL))
+    assert (s["posts_reconciled"], s["drift_corrected"]) == (20, 0)
+    assert news_db.snapshot() == before
+    assert s["last_post_id"] == max(ids)
+
+
+def test_drift_is_corrected_then_a_second_run_corrects_nothing(news_db):
+    drifted = news_db.post(count=5, visible=3, hidden=2, deleted=1)
+    right = news_db.post(count=2, visible=2)
+    old_updated = news_db.post_row(right)[3]
+    s = assert_ok(run(FULL))
+    assert news_db.count(drifted) == 3
+    assert s["drift_corrected"] == 1 and s["posts_reconciled"] == 2
+    assert news_db.post_row(right)[3] == old_updated  # untouched
+    pid, status, count, updated = news_db.post_row(drifted)
+    assert status == "Published" and updated > old_updated
+    assert news_db.q("SELECT post_id::text, count_from, count_to, dry_run "
+                     "FROM pin_nightly.news_drift") == [(drifted, 5, 3, False)]
+    before = news_db.snapshot()
+    s2 = assert_ok(run(FULL))
+    assert s2["drift_corrected"] == 0 and s2["posts_reconciled"] == 2
+    assert news_db.snapshot() == before
+    log = news_db.q("SELECT status, (result->>'drift_corrected')::int FROM pin_nightly.run_log "
+                    "ORDER BY finished_at")
+    assert log == [("success", 1), ("success", 0)]
+
+
+def test_hidden_and_deleted_comments_are_not_counted(news_db):
+    only_hidden = news_db.post(count=4, visible=0, hidden=3, deleted=1)
+    mixed = news_db.post(count=0, visible=1, hidden=5, deleted=5)
+    assert_ok(run(FULL))
+    assert news_db.count(only_hidden) == 0
+    assert news_db.count(mixed) == 1
+
+
+def test_archived_posts_are_never_touched(news_db):
+    archived = news_db.post(count=9, visible=1, status="Archived")
+    null_status = news_db.post(count=9, visible=1, status=None)
+    before = news_db.post_row(archived)
+    s = assert_ok(run(FULL))
+    assert news_db.post_row(archived) == before
+    assert news_db.count(null_status) == 1
+    assert s["posts_reconciled"] == 1
+    # not even by a targeted repair naming it
+    assert_ok(run({"post_ids": [archived]}))
+    assert news_db.post_row(archived) == before
+
+
+def test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost(news_db):
+    hot = news_db.post(count=5, visible=3)  # drifted, and about to be written by the hot path
+    other = news_db.post(count=7, visible=1)
+    hot_path = psycopg.connect(news_db.dsn)
+    hot_path.execute("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+                     "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())", (hot,))
+    hot_path.execute("UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s",
+                     (hot,))
+    try:
+        s = assert_ok(run(FULL))  # the hot-path transaction is still open
+    finally:
+        hot_path.commit()
+        hot_path.close()
+    assert s["posts_skipped_locked"] == 1
+    assert s["drift_corrected"] == 1 and s["posts_reconciled"] == 1
+    assert news_db.count(other) == 1
+    assert news_db.count(hot) == 6  # the hot path's +1 landed on the untouched counter
+    assert news_db.q("SELECT post_id::text FROM pin_nightly.news_skipped_post") == [(hot,)]
+    # the next run (a DailyWindow, even with no fresh comments) takes the skipped post
+    s2 = assert_ok(run({"scope": "DailyWindow"}))
+    assert news_db.count(hot) == 4
+    assert s2["drift_corrected"] == 1
+    assert news_db.q("SELECT count(*) FROM pin_nightly.news_skipped_post") == [(0,)]
+
+
+def test_a_lock_released_before_the_end_of_the_range_is_retried(news_db):
+    hot = news_db.post(count=5, visible=3)
+    news_db.posts(30, visible=1)
+    hot_path = psycopg.connect(news_db.dsn)
+    hot_path.execute("SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE", (hot,))
+    # release the row lock right after the first batch has skipped it
+    when(lambda: news_db.one("SELECT coalesce(sum(skipped_locked), 0) "
+                             "FROM pin_nightly.sweep_range") > 0,
+         hot_path.commit)
+    s = assert_ok(run({**FULL, "batch_size": 5}))
+    hot_path.close()
+    assert news_db.count(hot) == 3
+    assert s["posts_skipped_locked"] == 0 and s["posts_reconciled"] == 31
+
+
+def test_max_run_duration_interrupts_and_the_next_run_resumes_from_the_cursor(news_db):
+    ids = news_db.posts(120, drift_every=3)
+    # end the run's time budget once a few batches have committed (as if 20 minutes passed)
+    when(lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
+         >= 3,
+         lambda: news_db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()"))
+    s1 = assert_ok(run({**FULL, "batch_size": 2, "max_ranges": 1}))
+    assert s1["backlog_remaining"] is True and s1["status"] == "backlog_remaining"
+    done = s1["posts_reconciled"]
+    assert 3 * 2 <= done < 120
+    cursor = news_db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range")
+    assert cursor == s1["last_post_id"]
+    # posts after the cursor were not touched yet
+    assert all(news_db.count(p) == 5 for p in ids[done:] if ids.index(p) % 3 == 0)
+    s2 = assert_ok(run({**FULL, "batch_size": 2, "max_ranges": 1}))
+    assert s2["backlog_remaining"] is False
+    assert s2["sweep_id"] == s1["sweep_id"]  # the same sweep, resumed
+    assert done + s2["posts_reconciled"] == 120  # nothing read twice
+    assert s1["drift_corrected"] + s2["drift_corrected"] == 40
+    assert news_db.drifted_posts() == 0
+    # each drifted post was corrected exactly once
+    assert news_db.one("SELECT count(DISTINCT post_id) = count(*) FROM pin_nightly.news_drift")
+
+
+def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd):
+    drifted = news_db.post(count=5, visible=3)
+    assert_ok(run({"post_ids": [drifted], "dry_run": True}))  # creates the job's tables
+    news_db.q("INSERT INTO pin_nightly.job_lease (lock_key, holder, token, ttl, acquired_at, "
+              "expires_at, run_deadline_at) VALUES ('Pin:lock:job:scheduled:news-comment-"
+              "reconcile', 'other-deployment/run-1', 999, '30 min', now(), "
+              "now() + interval '10 min', now() + interval '5 min')")
+    capfd.readouterr()
+    r = run(FULL)
+    out = capfd.readouterr()
+    assert r["state"] == "success"
+    assert r["tasks"]["reconcile_range"] == "skipped"  # no range planned
+    assert r["summary"]["status"] == "skipped, lock held"
+    assert "skipped, lock held" in out.out + out.err
+    assert news_db.count(drifted) == 5
+    assert news_db.q("SELECT holder FROM pin_nightly.job_lease") == [("other-deployment/run-1",)]
+    # once the other holder's lease has expired, a run proceeds
+    news_db.q("UPDATE pin_nightly.job_lease SET expires_at = now() - interval '1 s'")
+    assert_ok(run(FULL))
+    assert news_db.count(drifted) == 3
+    assert news_db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
+
+
+def test_cancellation_between_batches_keeps_what_was_committed(news_db):
+    ids = news_db.posts(80, drift_every=1)
+    # SIGTERM (the host stopping the task) once two batches are committed
+    when(lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
+         >= 2,
+         lambda: os.kill(os.getpid(), signal.SIGTERM))
+    r = run({**FULL, "batch_size": 4, "max_ranges": 1})
+    assert r["state"] == "failed"
+    assert r["tasks"]["reconcile_range[0]"] == "failed"
+    assert r["tasks"]["release_lease"] == "success"  # the teardown still released the lease
+    cursor, batches, processed = news_db.q(
+        "SELECT cursor_id::text, batches, rows_processed FROM pin_nightly.sweep_range")[0]
+    assert batches >= 2 and processed == batches * 4
+    fixed = [p for p in ids if news_db.count(p) == 2]
+    assert fixed == [p for p in ids if p <= cursor]  # whole batches, up to the cursor
+    assert news_db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
+    s = assert_ok(run({**FULL, "batch_size": 4, "max_ranges": 1}))
+    assert s["posts_reconciled"] == 80 - processed
+    assert news_db.drifted_posts() == 0
+
+
+def test_dry_run_finds_drift_and_writes_nothing(news_db):
+    news_db.posts(10, drift_every=2)
+    before = news_db.snapshot()
+    s = assert_ok(run({**FULL, "dry_run": True}))
+    assert s["drift_corrected"] == 5 and s["dry_run"] is True
+    assert news_db.snapshot() == before
+    assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift WHERE dry_run") == 5
+    # a dry run is not a checkpoint: the real run that follows sweeps everything
+    s2 = assert_ok(run(FULL))
+    assert s2["drift_corrected"] == 5
+
+
+def test_post_ids_repairs_only_those_posts(news_db):
+    a = news_db.post(count=5, visible=3)
+    b = news_db.post(count=6, visible=1)
+    c = news_db.post(count=9, visible=2)
+    missing = "01900000-0000-7000-8000-000000000000"
+    s = assert_ok(run({"post_ids": [a, c.upper(), missing]}))
+    assert (news_db.count(a), news_db.count(b), news_db.count(c)) == (3, 6, 2)
+    assert s["scope"] == "Targeted" and s["drift_corrected"] == 2 and s["posts_reconciled"] == 2
+
+
+def _comment_change(db, pid: str, at: datetime) -> None:
+    db.q("UPDATE news.comments SET status = 'HiddenByModerator', updated_at = %s "
+         "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s AND status = 'Visible' "
+         "LIMIT 1)", at, pid)
+
+
+def test_daily_window_sees_recent_activity_only(news_db):
+    now = datetime.now(timezone.utc)
+    active = news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
+    quiet = news_db.post(count=9, visible=3, comments_at=now - timedelta(days=30))
+    _comment_change(news_db, active, now - timedelta(hours=2))  # hidden, counter not decremented
+    s = assert_ok(run({"scope": "DailyWindow"}))
+    assert s["scope"] == "DailyWindow" and s["posts_reconciled"] == 1
+    assert news_db.count(active) == 2
+    assert news_db.count(quiet) == 9  # quiet drift is the FullSweep's job
+
+
+def test_a_missed_night_is_caught_by_the_next_window_run(news_db):
+    now = datetime.now(timezone.utc)
+    p1 = news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
+    p2 = news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
+    assert_ok(run({"scope": "DailyWindow"}))
+    # the last completed sweep was three nights ago; two nights were missed
+    news_db.q("UPDATE pin_nightly.sweep SET started_at = now() - interval '74 hours', "
+              "completed_at = now() - interval '73 hours'")
+    _comment_change(news_db, p1, now - timedelta(hours=50))  # older than the 26 h look-back
+    _comment_change(news_db, p2, now - timedelta(hours=80))  # before the last sweep: covered
+    s = assert_ok(run({"scope": "DailyWindow"}))
+    assert news_db.count(p1) == 2
+    assert news_db.count(p2) == 3
+    assert s["posts_reconciled"] == 1
+
+
+def test_auto_scope_is_full_sweep_on_sunday_nights_in_moscow(news_db):
+    quiet = news_db.post(count=9, visible=3, comments_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    # Saturday 2026-11-28 03:00 MSK = 00:00 UTC: a window night
+    s = assert_ok(run({}, logical_date=datetime(2026, 11, 28, 0, 0, tzinfo=timezone.utc)))
+    assert s["scope"] == "DailyWindow" and news_db.count(quiet) == 9
+    # Sunday 2026-11-29 03:00 MSK = Sunday 00:00 UTC: the weekly full sweep
+    s = assert_ok(run({}, logical_date=datetime(2026, 11, 29, 0, 0, tzinfo=timezone.utc)))
+    assert s["scope"] == "FullSweep" and news_db.count(quiet) == 3
+
+
+def test_clearing_a_failed_range_resumes_it_from_its_cursor(news_db):
+    ids = news_db.posts(60, drift_every=1)
+    poison = ids[45]
+    # an infrastructure failure on one post of the last range
+    news_db.q("CREATE FUNCTION pg_temp_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+              f"IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+              "RETURN NEW; END $$".replace("pg_temp_fail", "public.fail_one"))
+    news_db.q("CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+              "EXECUTE FUNCTION public.fail_one()")
+    logical = datetime(2026, 11, 25, 9, 0, tzinfo=timezone.utc)
+    conf = {**FULL, "batch_size": 5, "max_ranges": 3}
+    r = run(conf, logical_date=logical, run_after=logical)
+    assert r["state"] == "failed"
+    assert r["tasks"]["reconcile_range[0]"] == "success"
+    assert r["tasks"]["reconcile_range[2]"] == "failed"
+    cursor = news_db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range WHERE range_no = 2")
+    assert ids[40] <= cursor < poison  # whole batches before the poison post are committed
+    news_db.q("DROP TRIGGER fail_one ON news.posts")
+    # clear and re-run the same run: done ranges return at once, the failed one resumes
+    r2 = run(conf, logical_date=logical, run_after=logical)
+    assert r2["state"] == "success" and r2["run_id"] == r["run_id"]
+    rows = news_db.q("SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
+                     "ORDER BY range_no")
+    assert [n for _, n in rows] == [20, 20, 20]  # no post read twice across the two attempts
+    assert news_db.drifted_posts() == 0
+    assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 60
+
+
+BAD_SCHEMA_CONF = [
+    ({"batch_size": "10"}, "batch_size"),
+    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": 1.5}, "batch_size"),
+    ({"scope": "Weekly"}, "scope"),
+    ({"window_lookback_hours": 0}, "window_lookback_hours"),
+    ({"max_run_duration_minutes": -1}, "max_run_duration_minutes"),
+    ({"lock_ttl_minutes": "30"}, "lock_ttl_minutes"),
+    ({"drift_alert_threshold": -5}, "drift_alert_threshold"),
+    ({"post_ids": ["not-a-uuid"]}, "post_ids"),
+    ({"post_ids": "0190a000-0000-7000-8000-000000000000"}, "post_ids"),
+    ({"dry_run": "yes"}, "dry_run"),
+    ({"max_ranges": 0}, "max_ranges"),
+]
+
+
+@pytest.mark.parametrize("conf,param", BAD_SCHEMA_CONF, ids=[p for _, p in BAD_SCHEMA_CONF])
+def test_invalid_conf_creates_no_run(news_db, conf, param):
+    from airflow.models.dagrun import DagRun
+    from airflow.sdk.definitions.param import ParamValidationError
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        before = session.query(DagRun).filter(DagRun.dag_id == DAG).count()
+    with pytest.raises(ParamValidationError, match=param):
+        run(conf)
+    with create_session() as session:
+        assert session.query(DagRun).filter(DagRun.dag_id == DAG).count() == before
+
+
+@pytest.mark.parametrize("conf,message", [
+    ({"lock_ttl_minutes": 10, "max_run_duration_minutes": 20}, "lock_ttl_minutes"),
+    ({"lock_ttl_minutes": 20, "max_run_duration_minutes": 20}, "must exceed"),
+    ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
+    ({"scope": "FullSweep", "post_ids": ["0190a000-0000-7000-8000-000000000000"]}, "post_ids"),
+])
+def test_inconsistent_options_fail_before_any_write(news_db, conf, message, capfd):
+    drifted = news_db.post(count=5, visible=3)
+    r = run(conf)
+    out = capfd.readouterr()
+    assert r["state"] == "failed"
+    assert r["tasks"]["validate_options"] == "failed"
+    assert r["tasks"]["acquire_lease"] == "upstream_failed"
+    assert message in out.out + out.err
+    assert news_db.count(drifted) == 5
+    # not even the job's own tables were created
+    assert news_db.one("SELECT to_regclass('pin_nightly.job_lease') IS NULL")
