@@ -1,0 +1,118 @@
+"""make demo: both DAGs through Airflow on an embedded PostgreSQL, and what they did."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import datetime, timezone
+
+from tools import devenv
+
+HOME = devenv.REPO / ".airflow" / "demo"
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    heads = [h for h, _ in columns]
+    cells = [[_fmt(r.get(k)) for _, k in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, h in enumerate(heads)]
+    line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    out = [line, "| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |", line]
+    out += ["| " + " | ".join(c.rjust(w) if c.replace(".", "").isdigit() else c.ljust(w)
+                              for c, w in zip(row, widths)) + " |" for row in cells]
+    out.append(line)
+    return "\n".join(out)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return str(v)
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def news_demo() -> list[dict]:
+    import psycopg
+
+    from tools.demodata import create_news_schema, load_news_demo
+    from tools.rundag import run_dag
+
+    dsn = devenv.recreate_database("pin_demo_news")
+    create_news_schema(dsn)
+    made = load_news_demo(dsn, posts=5000)
+    os.environ["AIRFLOW_CONN_NEWS_DB"] = devenv.airflow_connection(dsn)
+    say(f"news data: {made['posts']} posts ({made['archived']} archived), {made['comments']} "
+        f"comments (visible, hidden, deleted), {made['drifted']} drifted counters, "
+        f"{made['comments_changed_recently']} comments changed in the last day")
+
+    runs = []
+
+    def go(title: str, conf: dict) -> dict:
+        started = time.monotonic()
+        r = run_dag("news_comment_reconcile", conf)
+        s = r["summary"] or {}
+        row = {"run": title, "state": r["state"], **s,
+               "wall_s": f"{time.monotonic() - started:.1f}"}
+        runs.append(row)
+        return row
+
+    go("1 DailyWindow", {"scope": "DailyWindow"})
+    go("2 FullSweep", {"scope": "FullSweep"})
+    go("3 FullSweep again", {"scope": "FullSweep"})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # the hot path loses a decrement on a few posts: a targeted repair, dry run first
+        ids = [r[0] for r in conn.execute(
+            "UPDATE news.posts SET comments_count = comments_count + 1 WHERE id IN (SELECT id "
+            "FROM news.posts WHERE status <> 'Archived' ORDER BY id DESC LIMIT 3) "
+            "RETURNING id::text").fetchall()]
+        go("4 post_ids dry run", {"post_ids": ids, "dry_run": True})
+        go("5 post_ids repair", {"post_ids": ids})
+        left = conn.execute(
+            "SELECT count(*) FROM news.posts p WHERE p.status <> 'Archived' AND "
+            "p.comments_count <> (SELECT count(*) FROM news.comments c "
+            "WHERE c.post_id = p.id AND c.status = 'Visible')").fetchone()[0]
+        sample = conn.execute(
+            "SELECT post_id::text, count_from, count_to, dry_run FROM pin_nightly.news_drift "
+            "ORDER BY recorded_at LIMIT 5").fetchall()
+    say("\nnews_comment_reconcile runs (through Airflow, dag.test):")
+    say(table(runs, [("run", "run"), ("state", "state"), ("scope", "scope"),
+                     ("dry", "dry_run"), ("reconciled", "posts_reconciled"),
+                     ("drift fixed", "drift_corrected"), ("batches", "batches_processed"),
+                     ("skipped locked", "posts_skipped_locked"),
+                     ("backlog", "backlog_remaining"), ("job ms", "duration_ms"),
+                     ("wall s", "wall_s")]))
+    say("first corrections recorded in pin_nightly.news_drift (post, from -> to):")
+    for pid, a, b, dry in sample:
+        say(f"  {pid}  {a} -> {b}{'  (dry run)' if dry else ''}")
+    say(f"posts whose counter differs from their visible comments now: {left}")
+    return runs
+
+
+def main() -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("PIN_LOG_LEVEL", "WARNING")
+    devenv.apply_airflow_env(HOME)
+    started = time.monotonic()
+    say(f"PostgreSQL: {'PIN_PG_DSN' if os.environ.get('PIN_PG_DSN') else 'embedded (.pgdata/)'}"
+        f"; Airflow home: {HOME.relative_to(devenv.REPO)} (SQLite metadata)")
+    devenv.init_airflow(HOME)
+    news_runs = news_demo()
+    ok = all(r["state"] == "success" for r in news_runs)
+    ok &= news_runs[2]["drift_corrected"] == 0
+    say(f"\ndemo finished in {time.monotonic() - started:.0f} s at "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: "
+        f"{'all runs succeeded; the repeated full sweep corrected nothing' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
