@@ -9,7 +9,7 @@ import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
 
 from pin_nightly import news
-from pin_nightly.jobs import release_lease as _release
+from pin_nightly import jobs
 from pin_nightly.tasks import config_errors_fail
 
 POOL = "news_comment_reconcile"
@@ -91,7 +91,7 @@ with DAG(
     @task(pool=POOL)
     @config_errors_fail
     def acquire_lease(opts: dict) -> dict:
-        return news.acquire_lease(news.JOB, opts, get_current_context())
+        return jobs.acquire_lease(news.JOB, opts, get_current_context())
 
     @task(pool=POOL)
     def plan_ranges(opts: dict, lease: dict) -> list[dict]:
@@ -110,7 +110,7 @@ with DAG(
     @teardown
     @task(pool=POOL)
     def release_lease(lease: dict | None) -> bool:
-        return _release(news.JOB, lease)
+        return jobs.release_lease(news.JOB, lease)
 
     opts = validate_options()
     lease = acquire_lease(opts)

@@ -51,3 +51,14 @@ def news_db(pg_admin):
     db = helpers.NewsDB(dsn, conn)
     yield db
     conn.close()
+
+
+@pytest.fixture
+def catalog_db(pg_admin):
+    """A fresh catalog database with the card tables."""
+    from tools.demodata import create_catalog_schema
+
+    dsn, conn = _database("pin_test_catalog", "AIRFLOW_CONN_CATALOG_DB", create_catalog_schema)
+    db = helpers.CatalogDB(dsn, conn)
+    yield db
+    conn.close()

@@ -96,3 +96,36 @@ def when(condition: Callable[[], bool], action: Callable[[], None], timeout: flo
     t = threading.Thread(target=loop, daemon=True)
     t.start()
     return t
+
+
+class CatalogDB(NewsDB):
+    TABLES = {"PropertyObject": "catalog.property_object_cards",
+              "Project": "catalog.project_cards"}
+
+    def card(self, views: int | None = 0, kind: str = "PropertyObject",
+             status: str = "Published", score: float = 0) -> str:
+        cid = new_id()
+        self.conn.execute(
+            f"INSERT INTO {self.TABLES[kind]} (id, status, popularity_views, popularity_score, "
+            "updated_at) VALUES (%s, %s, %s, %s, '2026-01-01')", (cid, status, views, score))
+        return cid
+
+    def set_views(self, cid: str, views: int | None, kind: str = "PropertyObject") -> None:
+        self.conn.execute(f"UPDATE {self.TABLES[kind]} SET popularity_views = %s WHERE id = %s",
+                          (views, cid))
+
+    def score(self, cid: str, kind: str = "PropertyObject"):
+        return self.one(f"SELECT popularity_score FROM {self.TABLES[kind]} WHERE id = %s", cid)
+
+    def snapshots(self, cid: str) -> list[tuple]:
+        return self.q("SELECT run_date, cumulative_views FROM catalog.popularity_daily_views "
+                      "WHERE card_id = %s ORDER BY run_date", cid)
+
+    def seed_snapshot(self, cid: str, run_date, views: int, kind: str = "PropertyObject"):
+        from tools.devenv import run_sql_file
+
+        if not self.one("SELECT to_regclass('catalog.popularity_daily_views') IS NOT NULL"):
+            run_sql_file(self.dsn, "schema/catalog_popularity.sql")
+        self.conn.execute(
+            "INSERT INTO catalog.popularity_daily_views (card_kind, card_id, run_date, "
+            "cumulative_views) VALUES (%s, %s, %s, %s)", (kind, cid, run_date, views))

@@ -11,6 +11,7 @@ from tools.devenv import REPO
 POOLS = json.loads((REPO / "pools.json").read_text())
 DAGS = {
     "news_comment_reconcile": ("0 3 * * *", "Europe/Moscow"),
+    "catalog_popularity_recompute": ("0 3 * * *", "UTC"),
 }
 
 

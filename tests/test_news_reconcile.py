@@ -149,7 +149,7 @@ def test_max_run_duration_interrupts_and_the_next_run_resumes_from_the_cursor(ne
     assert news_db.one("SELECT count(DISTINCT post_id) = count(*) FROM pin_nightly.news_drift")
 
 
-def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd):
+def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd, caplog):
     drifted = news_db.post(count=5, visible=3)
     assert_ok(run({"post_ids": [drifted], "dry_run": True}))  # creates the job's tables
     news_db.q("INSERT INTO pin_nightly.job_lease (lock_key, holder, token, ttl, acquired_at, "
@@ -162,7 +162,7 @@ def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd):
     assert r["state"] == "success"
     assert r["tasks"]["reconcile_range"] == "skipped"  # no range planned
     assert r["summary"]["status"] == "skipped, lock held"
-    assert "skipped, lock held" in out.out + out.err
+    assert "skipped, lock held" in out.out + out.err + caplog.text
     assert news_db.count(drifted) == 5
     assert news_db.q("SELECT holder FROM pin_nightly.job_lease") == [("other-deployment/run-1",)]
     # once the other holder's lease has expired, a run proceeds
@@ -322,14 +322,14 @@ def test_invalid_conf_creates_no_run(news_db, conf, param):
     ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
     ({"scope": "FullSweep", "post_ids": ["0190a000-0000-7000-8000-000000000000"]}, "post_ids"),
 ])
-def test_inconsistent_options_fail_before_any_write(news_db, conf, message, capfd):
+def test_inconsistent_options_fail_before_any_write(news_db, conf, message, capfd, caplog):
     drifted = news_db.post(count=5, visible=3)
     r = run(conf)
     out = capfd.readouterr()
     assert r["state"] == "failed"
     assert r["tasks"]["validate_options"] == "failed"
     assert r["tasks"]["acquire_lease"] == "upstream_failed"
-    assert message in out.out + out.err
+    assert message in out.out + out.err + caplog.text
     assert news_db.count(drifted) == 5
     # not even the job's own tables were created
     assert news_db.one("SELECT to_regclass('pin_nightly.job_lease') IS NULL")

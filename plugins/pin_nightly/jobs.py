@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from pin_nightly import keyset, metrics
 from pin_nightly import lease as leases
 from pin_nightly.db import check_columns, connection, ensure_schema, has_index_on
 
@@ -111,3 +113,42 @@ def elapsed_ms(lease: leases.Lease | None) -> int:
         return 0
     started = datetime.fromisoformat(lease.acquired_at)
     return int((datetime.now(timezone.utc) - started).total_seconds() * 1000)
+
+
+def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
+    """Normalized, de-duplicated uuids of a list param; problems go to ``errors``."""
+    if not isinstance(values, list):
+        errors.append(f"{name} must be a list of uuids, got {type(values).__name__}")
+        return []
+    out: list[str] = []
+    for v in values:
+        try:
+            if not isinstance(v, str):
+                raise ValueError(v)
+            out.append(str(uuid.UUID(v)))
+        except ValueError:
+            errors.append(f"{name} contains {v!r}, which is not a uuid")
+    return sorted(set(out))
+
+
+def run_range_task(job: JobDef, metric: str, rng: dict[str, Any],
+                   lease_data: dict[str, Any], batch_size: int,
+                   batch: keyset.BatchFn) -> dict[str, Any]:
+    """Body of a mapped range task: work through the range, count errors, stop gracefully."""
+    lease = lease_from_xcom(lease_data)
+    if lease is None:
+        raise leases.LeaseLost("this run holds no lease; nothing may be written")
+    try:
+        with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
+            res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
+    except Exception:
+        metrics.incr(f"{metric}_errors_total")
+        raise
+    log.info("range %s %s: processed=%d changed=%d written=%d batches=%d skipped_locked=%d "
+             "(retried %d) item_errors=%d", rng["label"], res.status, res.processed,
+             res.changed, res.written, res.batches, res.skipped_locked, res.retried,
+             res.item_errors)
+    if res.status == "stopped":
+        raise keyset.GracefulStop(f"stopped on request after {res.batches} batch(es); "
+                                  f"committed work is kept, cursor {res.cursor_id}")
+    return {**res.__dict__, "label": rng["label"]}

@@ -14,6 +14,8 @@ from typing import Any
 
 from pin_nightly.db import LeaseLost, fetch_one_dict, sql, transaction
 
+__all__ = ["Lease", "LeaseHeld", "LeaseLost", "acquire", "fence", "renew", "release"]
+
 log = logging.getLogger(__name__)
 
 

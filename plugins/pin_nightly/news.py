@@ -8,7 +8,6 @@ correct only the drifted posts and record each correction; advance the range cur
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -17,7 +16,8 @@ import pendulum
 from pin_nightly import keyset, metrics
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, sql
 from pin_nightly.jobs import (
-    LOCK_HELD, JobDef, acquire_lease, elapsed_ms, lease_from_xcom, pull_lease, run_identity,
+    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease,
+    run_identity, run_range_task,
 )
 
 log = logging.getLogger(__name__)
@@ -65,21 +65,6 @@ def _is_number(v: Any) -> bool:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
-    if not isinstance(values, list):
-        errors.append(f"{name} must be a list of uuids, got {type(values).__name__}")
-        return []
-    out: list[str] = []
-    for v in values:
-        try:
-            if not isinstance(v, str):
-                raise ValueError(v)
-            out.append(str(uuid.UUID(v)))
-        except ValueError:
-            errors.append(f"{name} contains {v!r}, which is not a uuid")
-    return sorted(set(out))
 
 
 def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:
@@ -226,24 +211,9 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
 def reconcile_range(rng: dict[str, Any], opts: dict[str, Any],
                     lease_data: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
     """One mapped task: reconcile a keyset range batch by batch from its cursor."""
-    ident = run_identity(context)
-    lease = lease_from_xcom(lease_data)
-    batch = make_batch(opts, rng["sweep_id"], ident["run_id"],
+    batch = make_batch(opts, rng["sweep_id"], run_identity(context)["run_id"],
                        candidate_mode=opts["effective_scope"] != "FullSweep")
-    try:
-        with connection(JOB.conn_id) as conn, keyset.StopSignal() as stop:
-            res = keyset.run_range(conn, rng, lease, opts["batch_size"], batch, stop=stop)
-    except Exception:
-        metrics.incr(f"{METRIC}_errors_total")
-        raise
-    out = res.__dict__ | {"label": rng["label"]}
-    log.info("range %s %s: posts_reconciled=%d drift_corrected=%d batches=%d "
-             "skipped_locked=%d (retried %d)", rng["label"], res.status, res.processed,
-             res.changed, res.batches, res.skipped_locked, res.retried)
-    if res.status == "stopped":
-        raise keyset.GracefulStop(f"stopped on request after {res.batches} batch(es); "
-                                  f"committed work is kept, cursor {res.cursor_id}")
-    return out
+    return run_range_task(JOB, METRIC, rng, lease_data, opts["batch_size"], batch)
 
 
 def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:

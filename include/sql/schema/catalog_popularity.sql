@@ -13,3 +13,6 @@ CREATE UNIQUE INDEX IF NOT EXISTS ix_popularity_daily_unique
     ON catalog.popularity_daily_views (card_kind, card_id, run_date);
 CREATE INDEX IF NOT EXISTS ix_popularity_daily_window
     ON catalog.popularity_daily_views (card_kind, card_id, run_date DESC);
+-- Retention deletes by run_date and the backfill guard reads max(run_date).
+CREATE INDEX IF NOT EXISTS ix_popularity_daily_run_date
+    ON catalog.popularity_daily_views (run_date);

@@ -1,0 +1,130 @@
+"""catalog_popularity_recompute: nightly popularity snapshots and decayed scores (wiring only).
+
+The logic lives in ``plugins/pin_nightly/catalog.py``; SQL in ``include/sql/catalog/``.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
+
+from pin_nightly import catalog, jobs
+from pin_nightly.tasks import config_errors_fail
+
+POOL = "catalog_popularity_recompute"
+UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+
+DOC_MD = """
+# catalog_popularity_recompute
+
+Nightly at 03:00 UTC: for every card that is not `Delisted` (property objects first, then
+projects) snapshot the cumulative counter `popularity_views` into
+`catalog.popularity_daily_views` (one row per card and `as_of_date`) and recompute
+`popularity_score` = sum of the daily deltas of the last `window_days` days, each weighted by
+2^(-age / `half_life_days`), rounded to 4 places. Snapshots older than `window_days + 2` days
+are pruned at the end. `as_of_date` is the run's logical date in UTC (manual runs: the day they
+were triggered).
+
+**Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
+function of the stored snapshots: re-running a date changes nothing (unless the counters moved
+since). A run whose `as_of_date` is older than the newest snapshot writes nothing. Clearing a
+failed `recompute_*` task resumes its range from its cursor.
+
+**When it fails**
+- `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
+- summary `status: skipped, lock held`: another run holds
+  `Pin:lock:job:scheduled:catalog-popularity-recompute` (see `pin_nightly.job_lease`).
+- a `recompute_*` range failed (database down, lease lost): the batch in flight was rolled back
+  and the passes after it wait; fix the cause and clear that task instance with its downstream
+  tasks (it resumes from its cursor), or let the next night recompute.
+- `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
+  numeric(12,4)); the log lists `card_kind` and `card_id` at ERROR. Fix the data; the next
+  run picks them up.
+- scores stale (`catalog_popularity_score_staleness_hours` > 30): no successful run lately.
+
+Targeted recompute: trigger with `{"card_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
+Full runbook: README.md, section "Runbook".
+"""
+
+with DAG(
+    dag_id="catalog_popularity_recompute",
+    description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog cards",
+    schedule=CronTriggerTimetable("0 3 * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=DOC_MD,
+    tags=["pin-nightly", "catalog"],
+    # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
+    default_args={"owner": "PIN Marketplace (Catalog squad)"},
+    params={
+        "window_days": Param(30, type="integer", minimum=1, description="Window W in days"),
+        "half_life_days": Param(7, type="number", exclusiveMinimum=0,
+                                description="Half-life H of a day's views, in days"),
+        "batch_size": Param(1000, type="integer", minimum=1, description="Cards per batch"),
+        "max_run_duration_minutes": Param(30, type="number", exclusiveMinimum=0,
+                                          description="No batch starts later than this after "
+                                                      "the lease is taken"),
+        "lock_ttl_minutes": Param(45, type="number", exclusiveMinimum=0,
+                                  description="Lease TTL; must exceed max_run_duration_minutes"),
+        "card_ids": Param([], type="array", items={"type": "string", "pattern": UUID_PATTERN},
+                          description="Targeted recompute of just these cards (either kind)"),
+        "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
+        "max_ranges": Param(8, type="integer", minimum=1, maximum=64,
+                            description="Upper bound of keyset ranges (mapped tasks) per pass"),
+    },
+) as dag:
+
+    @task(pool=POOL)
+    @config_errors_fail
+    def validate_options() -> dict:
+        ctx = get_current_context()
+        return catalog.validate_options(ctx["params"], ctx)
+
+    @setup
+    @task(pool=POOL)
+    @config_errors_fail
+    def acquire_lease(opts: dict) -> dict:
+        return jobs.acquire_lease(catalog.JOB, opts, get_current_context())
+
+    @task(pool=POOL)
+    def plan_property_objects(opts: dict, lease: dict) -> list[dict]:
+        return catalog.plan_ranges("PropertyObject", opts, lease, get_current_context())
+
+    @task(pool=POOL, map_index_template="{{ range_label }}")
+    def recompute_property_objects(rng: dict, opts: dict, lease: dict) -> dict:
+        get_current_context()["range_label"] = rng["label"]
+        return catalog.recompute_range("PropertyObject", rng, opts, lease)
+
+    @task(pool=POOL)
+    def plan_projects(opts: dict, lease: dict) -> list[dict]:
+        return catalog.plan_ranges("Project", opts, lease, get_current_context())
+
+    @task(pool=POOL, map_index_template="{{ range_label }}")
+    def recompute_projects(rng: dict, opts: dict, lease: dict) -> dict:
+        get_current_context()["range_label"] = rng["label"]
+        return catalog.recompute_range("Project", rng, opts, lease)
+
+    @task(pool=POOL, trigger_rule="none_failed")
+    def retention(opts: dict) -> int:
+        return catalog.retention(opts, get_current_context())
+
+    @task(pool=POOL, trigger_rule="none_failed")
+    def summarize(opts: dict, pruned: int | None) -> dict:
+        return catalog.summarize(opts, pruned, get_current_context())
+
+    @teardown
+    @task(pool=POOL)
+    def release_lease(lease: dict | None) -> bool:
+        return jobs.release_lease(catalog.JOB, lease)
+
+    opts = validate_options()
+    lease = acquire_lease(opts)
+    po = recompute_property_objects.partial(opts=opts, lease=lease).expand(
+        rng=plan_property_objects(opts, lease))
+    project_ranges = plan_projects(opts, lease)
+    po >> project_ranges
+    projects = recompute_projects.partial(opts=opts, lease=lease).expand(rng=project_ranges)
+    pruned = retention(opts)
+    projects >> pruned
+    summarize(opts, pruned) >> release_lease(lease)

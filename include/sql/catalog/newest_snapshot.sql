@@ -1,0 +1,1 @@
+SELECT max(run_date) FROM catalog.popularity_daily_views

@@ -1,0 +1,2 @@
+SELECT count(*) FROM catalog.popularity_daily_views
+ WHERE run_date < %(as_of)s::date - (%(window_days)s + 2)

@@ -1,0 +1,269 @@
+"""catalog_popularity_recompute: daily snapshots of the cumulative view counters of catalog
+cards and a 30-day exponentially decayed ``popularity_score`` computed from their deltas.
+
+Each batch is one transaction: lock the batch's cards ``FOR UPDATE SKIP LOCKED``; upsert today's
+snapshot of each counter; compute the batch's scores from the snapshots in the window in one
+query; write ``popularity_score`` and ``updated_at`` only where the score changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import date
+from typing import Any
+
+import pendulum
+
+from pin_nightly import keyset, metrics
+from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
+from pin_nightly import lease as leases
+from pin_nightly.jobs import (
+    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease, run_identity,
+    run_range_task,
+)
+
+log = logging.getLogger(__name__)
+
+METRIC = "catalog_popularity_recompute"
+MAX_SCORE = 99999999.9999  # numeric(12,4)
+# The two passes, in order: card kind (as stored in popularity_daily_views) -> cards table.
+# Table names come from this constant only, never from input.
+KINDS: dict[str, str] = {
+    "PropertyObject": "catalog.property_object_cards",
+    "Project": "catalog.project_cards",
+}
+CARD_COLUMNS = ["id", "status", "popularity_views", "popularity_score", "updated_at"]
+
+JOB = JobDef(
+    code="catalog-popularity-recompute",
+    dag_id="catalog_popularity_recompute",
+    conn_id="catalog_db",
+    lock_key="Pin:lock:job:scheduled:catalog-popularity-recompute",
+    domain_columns={table: CARD_COLUMNS for table in KINDS.values()},
+    owned_ddl=[("pin_nightly.news_skipped_post", "schema/pin_nightly"),
+               ("catalog.popularity_daily_views", "schema/catalog_popularity")],
+)
+
+DEFAULTS: dict[str, Any] = {
+    "window_days": 30,
+    "half_life_days": 7,
+    "batch_size": 1000,
+    "max_run_duration_minutes": 30,
+    "lock_ttl_minutes": 45,
+    "card_ids": [],
+    "dry_run": False,
+    "max_ranges": 8,
+}
+
+
+def card_sql(name: str, kind: str) -> str:
+    return sql(f"catalog/{name}").replace("{cards}", KINDS[kind])
+
+
+def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """Check every option and the rules across them; fix as_of_date. No database access."""
+    p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
+    errors: list[str] = []
+    for name in ("window_days", "batch_size", "max_ranges"):
+        v = p[name]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            errors.append(f"{name} must be an integer >= 1, got {v!r}")
+    for name in ("half_life_days", "max_run_duration_minutes", "lock_ttl_minutes"):
+        v = p[name]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            errors.append(f"{name} must be a number > 0, got {v!r}")
+    if not isinstance(p["dry_run"], bool):
+        errors.append(f"dry_run must be true or false, got {p['dry_run']!r}")
+    card_ids = parse_uuids("card_ids", p["card_ids"], errors)
+    if not errors and p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
+        errors.append(
+            f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
+            f"({p['max_run_duration_minutes']}): the lock must outlive the run")
+    if errors:
+        raise JobConfigError("invalid options: " + "; ".join(errors))
+    instant = pendulum.instance(run_identity(context)["run_instant"]).in_timezone("UTC")
+    opts = {**p, "card_ids": card_ids, "as_of_date": instant.date().isoformat()}
+    log.info("run started: as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
+             "dry_run=%s card_ids=%d", opts["as_of_date"], p["window_days"],
+             p["half_life_days"], p["batch_size"], p["dry_run"], len(card_ids))
+    return opts
+
+
+def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
+    """The newest snapshot date when it is newer than as_of_date (then nothing may be written)."""
+    cur.execute(sql("catalog/newest_snapshot"))
+    newest = cur.fetchone()[0]
+    if newest is not None and newest > date.fromisoformat(opts["as_of_date"]):
+        return newest.isoformat()
+    return None
+
+
+def plan_ranges(kind: str, opts: dict[str, Any], lease_data: dict[str, Any],
+                context: dict[str, Any]) -> list[dict[str, Any]]:
+    """Open (or adopt) the sweep of one card kind for as_of_date; return its ranges."""
+    if lease_from_xcom(lease_data) is None:
+        log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
+        return []
+    ident = run_identity(context)
+    targeted = bool(opts["card_ids"])
+    suffix = (" targeted" if targeted else "") + (" (dry run)" if opts["dry_run"] else "")
+    spec = keyset.SweepSpec(
+        job=JOB.code, scope=f"{kind}@{opts['as_of_date']}{suffix}", family=kind,
+        resumable=not targeted and not opts["dry_run"],
+        params={"as_of_date": opts["as_of_date"], "card_ids": len(opts["card_ids"])})
+    with connection(JOB.conn_id) as conn:
+        with transaction(conn) as cur:
+            newest = _backfill_guard(cur, opts)
+        if newest is not None:
+            log.warning("as_of_date %s is older than the newest stored snapshot (%s): this run "
+                        "writes nothing (history is never rewritten)", opts["as_of_date"], newest)
+            return []
+
+        def plan(cur, sweep):
+            return keyset.boundaries(
+                cur, card_sql("source", kind).strip(),
+                {"targeted": targeted, "card_ids": opts["card_ids"]},
+                opts["batch_size"], opts["max_ranges"])
+
+        sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan)
+    return keyset.range_descriptors(sweep, kind)
+
+
+def make_batch(kind: str, opts: dict[str, Any]):
+    lock_sql = card_sql("lock", kind)
+    ids_sql = card_sql("ids_lock", kind)
+    apply_sql = card_sql("apply", kind)
+    targeted = bool(opts["card_ids"])
+
+    def batch(cur, after_id, upper_id, limit, only_ids):
+        if only_ids:
+            cur.execute(ids_sql, {"ids": only_ids})
+        else:
+            cur.execute(lock_sql, {"after_id": after_id, "upper_id": upper_id, "limit": limit,
+                                   "targeted": targeted, "card_ids": opts["card_ids"]})
+        rows = fetch_dicts(cur)
+        if not rows:
+            return keyset.Batch(last_id=None, full=False)
+        locked = [r for r in rows if r["locked"]]
+        skipped = [r["id"] for r in rows if not r["locked"]]
+        poison = [r for r in locked if r["views"] is None or r["views"] < 0]
+        for r in poison:
+            log.error("item failed: card_kind=%s card_id=%s: popularity_views is %s; no snapshot "
+                      "and no score written", kind, r["id"], r["views"])
+        out = {"snapshots_written": 0, "cards_updated": 0, "overflow_ids": []}
+        if len(locked) > len(poison):
+            if opts["dry_run"]:
+                cur.execute("SAVEPOINT pin_dry_run")
+            cur.execute(apply_sql, {
+                "ids": [r["id"] for r in locked], "views": [r["views"] for r in locked],
+                "kind": kind, "as_of": opts["as_of_date"], "window_days": opts["window_days"],
+                "half_life": opts["half_life_days"]})
+            out = fetch_one_dict(cur)
+            if opts["dry_run"]:
+                cur.execute("ROLLBACK TO SAVEPOINT pin_dry_run")
+        for card_id in out["overflow_ids"]:
+            log.error("item failed: card_kind=%s card_id=%s: score does not fit numeric(12,4) "
+                      "(> %s); score not written", kind, card_id, MAX_SCORE)
+        errors = len(poison) + len(out["overflow_ids"])
+        log.debug("batch %s: rows=%d updated=%d", kind, len(locked), out["cards_updated"])
+        return keyset.Batch(last_id=rows[-1]["id"], full=len(rows) >= limit,
+                            processed=len(locked), changed=int(out["cards_updated"]),
+                            written=int(out["snapshots_written"]), item_errors=errors,
+                            skipped_ids=skipped)
+
+    return batch
+
+
+def recompute_range(kind: str, rng: dict[str, Any], opts: dict[str, Any],
+                    lease_data: dict[str, Any]) -> dict[str, Any]:
+    """One mapped task: snapshot and rescore the cards of a keyset range."""
+    return run_range_task(JOB, METRIC, rng, lease_data, opts["batch_size"],
+                          make_batch(kind, opts))
+
+
+def retention(opts: dict[str, Any], context: dict[str, Any]) -> int:
+    """Delete the snapshots no window reads any more, in a transaction of its own."""
+    lease = lease_from_xcom(pull_lease(context))
+    if lease is None or opts["card_ids"]:
+        log.info("retention skipped (%s)", LOCK_HELD if lease is None else "targeted run")
+        return 0
+    params = {"as_of": opts["as_of_date"], "window_days": opts["window_days"]}
+    with connection(JOB.conn_id) as conn, transaction(conn) as cur:
+        if leases.fence(cur, lease)[0]:
+            log.warning("retention skipped: the run's deadline has passed")
+            return 0
+        if _backfill_guard(cur, opts) is not None:
+            log.warning("retention skipped: as_of_date is older than the newest snapshot")
+            return 0
+        if opts["dry_run"]:
+            cur.execute(sql("catalog/retention_count"), params)
+            pruned = int(cur.fetchone()[0])
+        else:
+            cur.execute(sql("catalog/retention"), params)
+            pruned = cur.rowcount
+    log.info("retention: %d snapshot(s) older than %s - %d days %s", pruned,
+             opts["as_of_date"], opts["window_days"] + 2,
+             "would be pruned (dry run)" if opts["dry_run"] else "pruned")
+    return pruned
+
+
+def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any]) -> dict[str, Any]:
+    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics."""
+    ident = run_identity(context)
+    lease = lease_from_xcom(pull_lease(context))
+    result: dict[str, Any] = {
+        "status": "success", "as_of_date": opts["as_of_date"], "dry_run": opts["dry_run"],
+        "property_object_cards_updated": 0, "project_cards_updated": 0,
+        "property_object_cards_processed": 0, "project_cards_processed": 0,
+        "snapshots_written": 0, "snapshots_pruned": pruned or 0, "item_errors": 0,
+        "property_object_cards_skipped_locked": 0, "project_cards_skipped_locked": 0,
+        "backlog_remaining": False, "duration_ms": 0, "run_id": ident["run_id"],
+        "score_staleness_hours": None,
+    }
+    prefix = {"PropertyObject": "property_object_cards", "Project": "project_cards"}
+    with connection(JOB.conn_id) as conn:
+        if lease is None:
+            result["status"] = LOCK_HELD
+        else:
+            totals = keyset.run_totals(conn, JOB.code, ident["run_id"])
+            keyset.close_sweeps(conn, [t["sweep_id"] for t in totals])
+            for t in keyset.run_totals(conn, JOB.code, ident["run_id"]):
+                p = prefix[t["scope"].split("@")[0]]
+                result[f"{p}_updated"] += t["rows_changed"]
+                result[f"{p}_processed"] += t["rows_processed"]
+                result[f"{p}_skipped_locked"] += t["skipped_locked"]
+                result["snapshots_written"] += t["rows_written"]
+                result["item_errors"] += t["item_errors"]
+                result["backlog_remaining"] |= t["sweep_status"] == "open"
+            with transaction(conn) as cur:
+                newest = _backfill_guard(cur, opts)
+                cur.execute(sql("catalog/staleness"))
+                stale = cur.fetchone()[0]
+            if newest is not None:
+                result["status"] = f"nothing written: as_of_date older than snapshots of {newest}"
+            elif result["backlog_remaining"]:
+                result["status"] = "backlog_remaining"
+            result["score_staleness_hours"] = round(float(stale), 3) if stale is not None else None
+            result["duration_ms"] = elapsed_ms(lease)
+        keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
+                             lease.acquired_at if lease else None)
+    log.info("run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
+             "ProjectCardsUpdated=%(project_cards_updated)s "
+             "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
+             "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s", result)
+    if lease is not None and not opts["dry_run"]:
+        _emit(result)
+    return result
+
+
+def _emit(result: dict[str, Any]) -> None:
+    metrics.timing(f"{METRIC}_duration_seconds", result["duration_ms"])
+    for kind, p in (("PropertyObject", "property_object_cards"), ("Project", "project_cards")):
+        metrics.incr(f"{METRIC}_cards_total", result[f"{p}_processed"], tags={"card_kind": kind})
+    metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_written"], tags={"op": "written"})
+    metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_pruned"], tags={"op": "pruned"})
+    metrics.incr(f"{METRIC}_errors_total", result["item_errors"])
+    metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
+    if result["score_staleness_hours"] is not None:
+        metrics.gauge("catalog_popularity_score_staleness_hours", result["score_staleness_hours"])
+    metrics.last_success(METRIC)
