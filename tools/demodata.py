@@ -79,3 +79,46 @@ def load_news_demo(dsn: str, posts: int = 5000, seed: int = 7,
         conn.execute("ANALYZE news.comments")
     return {"posts": posts, "archived": archived, "comments": len(comment_rows),
             "drifted": drifted, "comments_changed_recently": recent}
+
+
+def load_catalog_demo(dsn: str, as_of, property_objects: int = 3000, projects: int = 200,
+                      nights: int = 31, seed: int = 11) -> dict[str, int]:
+    """Cards (85 % Published, 10 % Hidden, 5 % Delisted) with 31 nights of snapshot history
+    before ``as_of`` (a few nights missed, as after an outage), today's counters a little
+    higher, and two poison cards (NULL and negative counters)."""
+    import psycopg
+
+    from tools.devenv import run_sql_file
+
+    run_sql_file(dsn, "schema/catalog_popularity.sql")
+    rnd = random.Random(seed)
+    missed = {as_of - timedelta(days=d) for d in (9, 17, 18)}
+    made = {"cards": 0, "snapshots": 0, "poison": 0}
+    with psycopg.connect(dsn) as conn:
+        for kind, table, n in (("PropertyObject", "catalog.property_object_cards",
+                                property_objects), ("Project", "catalog.project_cards", projects)):
+            cards, snaps = [], []
+            for i in range(n):
+                created = datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=i)
+                cid = uuid7(created, rnd)
+                status = rnd.choices(("Published", "Hidden", "Delisted"), (85, 10, 5))[0]
+                rate = rnd.paretovariate(1.5) * (20 if kind == "Project" else 3)
+                views = rnd.randint(0, 2000)
+                for age in range(nights, 0, -1):
+                    views += int(rnd.expovariate(1 / rate))
+                    night = as_of - timedelta(days=age)
+                    if night not in missed:
+                        snaps.append((kind, cid, night, views))
+                views += int(rnd.expovariate(1 / rate))
+                if i < 2 and kind == "PropertyObject":
+                    views = None if i == 0 else -1
+                    made["poison"] += 1
+                cards.append((cid, status, views, 0, created))
+            copy_rows(conn, table, ("id", "status", "popularity_views", "popularity_score",
+                                    "updated_at"), cards)
+            copy_rows(conn, "catalog.popularity_daily_views",
+                      ("card_kind", "card_id", "run_date", "cumulative_views"), snaps)
+            made["cards"] += n
+            made["snapshots"] += len(snaps)
+        conn.execute("ANALYZE catalog.popularity_daily_views")
+    return made
