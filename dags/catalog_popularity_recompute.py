@@ -9,6 +9,7 @@ import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
 
 from pin_nightly import catalog, jobs
+from pin_nightly.deadlines import deadline_alerts
 from pin_nightly.tasks import config_errors_fail
 
 POOL = "catalog_popularity_recompute"
@@ -53,6 +54,9 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
+    # SLA: finish within the default run budget + a margin of being queued; succeed within
+    # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
+    deadline=deadline_alerts("catalog_popularity_recompute", run_budget_minutes=30 + 15),
     doc_md=DOC_MD,
     tags=["pin-nightly", "catalog"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).

@@ -10,6 +10,7 @@ from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, s
 
 from pin_nightly import news
 from pin_nightly import jobs
+from pin_nightly.deadlines import deadline_alerts
 from pin_nightly.tasks import config_errors_fail
 
 POOL = "news_comment_reconcile"
@@ -52,6 +53,9 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
     catchup=False,
     max_active_runs=1,
+    # SLA: finish within the default run budget + a margin of being queued; succeed within
+    # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
+    deadline=deadline_alerts("news_comment_reconcile", run_budget_minutes=20 + 10),
     doc_md=DOC_MD,
     tags=["pin-nightly", "news"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
