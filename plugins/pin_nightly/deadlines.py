@@ -70,7 +70,7 @@ def describe(alert: str, context: dict[str, Any] | None) -> dict[str, Any]:
     deadline = (context or {}).get("deadline") or {}
     state = run.get("state")
     return {
-        "alert": alert,
+        "deadline_alert": alert,
         "dag_id": run.get("dag_id"),
         "run_id": run.get("dag_run_id") or run.get("run_id"),
         "run_state": state,
@@ -84,8 +84,8 @@ def describe(alert: str, context: dict[str, Any] | None) -> dict[str, Any]:
 async def deadline_missed(alert: str, context: dict[str, Any] | None = None, **_: Any) -> None:
     """Deadline callback (runs in the triggerer): log at ERROR, count, notify."""
     info = describe(alert, context)
-    log.error("deadline missed (%(alert)s): dag=%(dag_id)s run=%(run_id)s "
+    log.error("deadline missed (%(deadline_alert)s): dag=%(dag_id)s run=%(run_id)s "
               "state=%(run_state)s deadline=%(deadline)s; %(note)s", info)
     metrics.incr("pin_nightly_deadline_missed_total",
                  tags={"dag_id": str(info["dag_id"]), "alert": alert})
-    await asyncio.to_thread(alerts.notify, f"deadline_missed:{alert}", info)
+    await asyncio.to_thread(alerts.notify, "deadline_missed", info)

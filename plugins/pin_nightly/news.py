@@ -270,4 +270,5 @@ def _emit(result: dict[str, Any]) -> None:
     metrics.timing(f"{METRIC}_run_duration_ms", result["duration_ms"])
     metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
     metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])
+    metrics.gauge(f"{METRIC}_last_run_drift_corrected", result["drift_corrected"])
     metrics.last_success(METRIC)

@@ -1,0 +1,152 @@
+"""A real Airflow: scheduler, dag-processor, triggerer and api-server on loopback, with their
+metadata on PostgreSQL. Both DAGs are triggered over the REST API, a deadline alert reaches a
+webhook, a full pool makes a run wait, and one mapped task is cleared over REST and resumes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import date, timedelta
+from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import psycopg
+import pytest
+
+from tests import helpers
+from tools import devenv
+from tools.stack import Stack, free_port, stack_env
+
+NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
+
+
+class Webhook:
+    """A local HTTP listener standing in for the alert channel."""
+
+    def __init__(self):
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append(json.loads(body))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_for(self, pred, timeout: float = 90):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = [r for r in self.received if pred(r)]
+            if hits:
+                return hits
+            time.sleep(0.5)
+        raise AssertionError(f"no matching alert; received {self.received}")
+
+
+@pytest.fixture(scope="module")
+def stack(pg_admin):
+    from tools.demodata import create_catalog_schema, create_news_schema
+
+    home = devenv.REPO / ".airflow" / "e2e"
+    news_dsn = devenv.recreate_database("pin_e2e_news")
+    create_news_schema(news_dsn)
+    catalog_dsn = devenv.recreate_database("pin_e2e_catalog")
+    create_catalog_schema(catalog_dsn)
+    hook = Webhook()
+    env = stack_env(home, devenv.recreate_database("pin_e2e_airflow"), free_port(), {
+        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+        "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
+            {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        # every news run misses its run budget: proves the deadline path end to end
+        "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
+    })
+    s = Stack(home, env).start()
+    try:
+        s.wait_for_dags([NEWS, CATALOG])
+        s.news = helpers.NewsDB(news_dsn, psycopg.connect(news_dsn, autocommit=True))
+        s.catalog = helpers.CatalogDB(catalog_dsn, psycopg.connect(catalog_dsn, autocommit=True))
+        s.hook = hook
+        yield s
+    finally:
+        s.stop()
+        hook.server.shutdown()
+
+
+def test_both_dags_run_through_the_scheduler(stack):
+    drifted = stack.news.post(count=5, visible=3)
+    card = stack.catalog.card(views=40)
+    stack.catalog.seed_snapshot(card, date.today() - timedelta(days=1), 10)
+    news_run = stack.trigger(NEWS, {"scope": "FullSweep"})
+    catalog_run = stack.trigger(CATALOG)
+    assert stack.wait_run(NEWS, news_run) == "success"
+    assert stack.wait_run(CATALOG, catalog_run) == "success"
+    assert stack.news.count(drifted) == 3
+    assert stack.catalog.score(card) == Decimal(30)
+    summary = stack.news.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s",
+                             news_run)
+    assert summary["drift_corrected"] == 1
+
+
+def test_a_deadline_miss_reaches_the_webhook(stack):
+    hits = stack.hook.wait_for(lambda r: r.get("alert") == "deadline_missed"
+                               and r.get("deadline_alert") == "run_over_budget"
+                               and r.get("dag_id") == NEWS)
+    assert hits[0]["run_id"] and hits[0]["run_state"] in ("running", "success", "queued")
+    assert "deadline" in hits[0]
+
+
+def test_a_run_waits_while_its_pool_is_full(stack):
+    set_slots = lambda n: stack.request(  # noqa: E731
+        "PATCH", f"/api/v2/pools/{CATALOG}?update_mask=slots",
+        {"pool": CATALOG, "slots": n, "include_deferred": False})
+    set_slots(0)
+    try:
+        run_id = stack.trigger(CATALOG)
+        time.sleep(8)
+        assert stack.run_state(CATALOG, run_id) in ("queued", "running")
+        states = stack.task_states(CATALOG, run_id)
+        assert states.get("validate_options") in (None, "scheduled", "queued")
+    finally:
+        set_slots(1)
+    assert stack.wait_run(CATALOG, run_id) == "success"
+
+
+def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
+    db = stack.news
+    db.q("TRUNCATE news.posts, news.comments")
+    ids = db.posts(60, drift_every=1)
+    poison = ids[45]
+    db.q("CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
+         f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+         "RETURN NEW; END $$")
+    db.q("CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+         "EXECUTE FUNCTION public.fail_one()")
+    run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
+    assert stack.wait_run(NEWS, run_id) == "failed"
+    states = stack.task_states(NEWS, run_id)
+    assert states["reconcile_range[2]"] == "failed"
+    assert states["reconcile_range[0]"] == states["reconcile_range[1]"] == "success"
+    sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
+    cursor = db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range "
+                    "WHERE sweep_id = %s AND range_no = 2", sweep)
+    assert ids[40] <= cursor < poison
+    db.q("DROP TRIGGER fail_one ON news.posts")
+    stack.request("POST", f"/api/v2/dags/{NEWS}/clearTaskInstances", {
+        "dry_run": False, "only_failed": False, "dag_run_id": run_id,
+        "task_ids": [["reconcile_range", 2]], "include_downstream": True})
+    assert stack.wait_run(NEWS, run_id) == "success"
+    rows = db.q("SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
+                "WHERE sweep_id = %s ORDER BY range_no", sweep)
+    assert [n for _, n in rows] == [20, 20, 20]  # the range resumed; nothing was read twice
+    assert db.drifted_posts() == 0
+    assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
