@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt constraints.txt | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test constraints clean stop
+.PHONY: setup demo test airflow bench constraints clean stop
 
 $(STAMP): requirements.txt constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The real Airflow (standalone) on 127.0.0.1:8080 with demo data; Ctrl-C or `make stop`.
+airflow: setup
+	$(BIN)/python -m tools.airflow_up
+
 # Re-pin the full dependency set after changing requirements.txt.
 constraints:
 	rm -rf /tmp/pin-nightly-constraints && $(PYTHON) -m venv /tmp/pin-nightly-constraints
@@ -29,11 +33,10 @@ constraints:
 	  echo "# Regenerate: make constraints"; \
 	  /tmp/pin-nightly-constraints/bin/pip freeze; } > constraints.txt
 
-# Stop the embedded PostgreSQL if a process left it running.
+# Stop `make airflow` (and with it the embedded PostgreSQL it started).
 stop:
-	@if [ -f .pgdata/postmaster.pid ]; then \
-		$(BIN)/python -c "import pgserver,sys; pgserver.get_server('.pgdata', cleanup_mode='stop')" ; \
-		$$(ls -d $(VENV)/lib/python*/site-packages/pgserver/pginstall/bin)/pg_ctl -D .pgdata stop -m fast || true; fi
+	@if [ -f .airflow/standalone.pid ]; then kill $$(cat .airflow/standalone.pid) && echo "stopping Airflow"; \
+	else echo "make airflow is not running"; fi
 
 clean: stop
 	rm -rf .pgdata .airflow .pytest_cache
