@@ -1,0 +1,520 @@
+"""The Docker deployment (docker-compose.yaml, Dockerfile, .env.example), checked without a
+Docker engine: the files are parsed (PyYAML) and compared with the repository, the installed
+Airflow's configuration reference and each other. No database is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from importlib import metadata, util
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = REPO / "docker-compose.yaml"
+DOCKERFILE = REPO / "Dockerfile"
+ENV_EXAMPLE = REPO / ".env.example"
+JOBS_DB_INIT = REPO / "include" / "compose" / "jobs-db-init.sh"
+
+AIRFLOW_VERSION = "3.3.2"
+AIRFLOW_SERVICES = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
+                    "airflow-triggerer", "airflow-init"}
+REQUIRED_SERVICES = AIRFLOW_SERVICES | {"postgres", "jobs-db"}
+MONITORING_SERVICES = {"statsd-exporter", "prometheus"}
+ONE_SHOT_SERVICES = {"airflow-init", "demo-data"}
+AIRFLOW_MOUNTS = {"dags": "/opt/airflow/dags", "plugins": "/opt/airflow/plugins",
+                  "include": "/opt/airflow/include", "pools.json": "/opt/airflow/pools.json"}
+JOB_CONNECTIONS = ("news_db", "catalog_db")
+
+# Compose interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, ${VAR?err}, $VAR;
+# "$$" is an escaped "$" (left to the container's shell).
+INTERPOLATION = re.compile(
+    r"(?<!\$)\$(?:\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|FERNET|TOKEN|API_KEY|PRIVATE_KEY", re.I)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict[str, dict]:
+    return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def env_example() -> dict[str, str]:
+    return parse_env_file(ENV_EXAMPLE.read_text())
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    values = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        assert sep, f".env.example: not NAME=value: {line!r}"
+        values[name.strip()] = value.strip()
+    return values
+
+
+def environment(service: dict) -> dict[str, str | None]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict((item.split("=", 1) + [None])[:2] for item in env)
+    return {k: (None if v is None else str(v)) for k, v in env.items()}
+
+
+def scalars(node):
+    """Every string value of a YAML tree (compose interpolates values, not keys)."""
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from scalars(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from scalars(value)
+    elif isinstance(node, str):
+        yield node
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation of ``text`` with ``env`` (as .env would give it)."""
+    def one(m: re.Match) -> str:
+        name = m["name"] or m["bare"]
+        op, arg = m["op"], m["arg"] or ""
+        value = env.get(name)
+        if op in (":-", ":?") and not value or op in ("-", "?") and value is None:
+            if op.endswith("?"):
+                raise AssertionError(f"${{{name}}} is required: {arg}")
+            return arg
+        return value or ""
+    return INTERPOLATION.sub(one, text).replace("$$", "$")
+
+
+def script(service: dict) -> str:
+    """A service's command as one shell text, line continuations joined."""
+    command = service.get("command") or ""
+    if isinstance(command, list):
+        command = "\n".join(command)
+    return re.sub(r"\\\n\s*", " ", command)
+
+
+def cli_calls(text: str, prefix: str) -> list[list[str]]:
+    """The argument lists of every ``prefix ...`` command line of a shell script."""
+    calls = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(prefix + " "):
+            calls.append(shlex.split(line.split(" #")[0])[len(prefix.split()):])
+    return calls
+
+
+def options(args: list[str]) -> dict[str, str]:
+    opts, rest = {}, iter(args)
+    for arg in rest:
+        if arg.startswith("--"):
+            opts[arg] = next(rest, "")
+    return opts
+
+
+def volumes(service: dict) -> list[tuple[str, str, str]]:
+    """(type, source, target) of each mount, short or long syntax."""
+    result = []
+    for vol in service.get("volumes") or []:
+        if isinstance(vol, dict):
+            result.append((vol.get("type", "volume"), str(vol.get("source", "")),
+                           str(vol["target"])))
+            continue
+        source, target = vol.split(":")[:2]
+        kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+        result.append((kind, source, target))
+    return result
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def jobs_db_env(services, env_example) -> dict[str, str]:
+    return {k: interpolate(v, env_example) for k, v in environment(services["jobs-db"]).items()
+            if v is not None}
+
+
+def init_connections(services, env_example) -> dict[str, dict[str, str]]:
+    """conn_id -> options of the ``airflow connections add`` calls of airflow-init, with the
+    shell variables resolved from the service's environment and .env.example."""
+    init = services["airflow-init"]
+    runtime_env = {k: interpolate(v, env_example) for k, v in environment(init).items()
+                   if v is not None}
+    text = script(init).replace("$$", "$")
+    conns = {}
+    for args in cli_calls(text, "airflow connections add"):
+        opts = options(args[1:])
+        conns[args[0]] = {k: re.sub(r"\$\{(\w+)\}", lambda m: runtime_env.get(m[1], "<unset>"),
+                                    v) for k, v in opts.items()}
+    return conns
+
+
+def published_ports(service: dict) -> list:
+    return service.get("ports") or []
+
+
+# --- services --------------------------------------------------------------------------------
+
+def test_required_services_exist_and_start_by_default(services):
+    missing = REQUIRED_SERVICES - set(services)
+    assert not missing, f"services missing from docker-compose.yaml: {sorted(missing)}"
+    for name in REQUIRED_SERVICES:
+        assert not services[name].get("profiles"), \
+            f"{name} is behind a profile: `docker compose up -d` would not start it"
+    for name in MONITORING_SERVICES:
+        assert name in services, f"monitoring service {name} is missing"
+        assert services[name].get("profiles") == ["monitoring"], \
+            f"{name} must be in (only) the profile monitoring"
+    if "demo-data" in services:
+        assert services["demo-data"].get("profiles"), "demo data must be loaded only on request"
+
+
+def test_long_running_services_have_healthchecks(services):
+    for name, svc in services.items():
+        if name in ONE_SHOT_SERVICES:
+            assert svc.get("restart") in (None, "no"), f"one-shot {name} must not be restarted"
+            continue
+        check = svc.get("healthcheck") or {}
+        assert check.get("test") and not check.get("disable") \
+            and check["test"] not in (["NONE"], "NONE"), f"{name} has no healthcheck"
+        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), \
+            f"{name} is long-running but has no restart policy"
+
+
+def test_airflow_services_wait_for_metadata_db_and_init(services):
+    for name in AIRFLOW_SERVICES:
+        deps = services[name].get("depends_on") or {}
+        assert deps.get("postgres", {}).get("condition") == "service_healthy", \
+            f"{name} must wait for a healthy metadata database"
+        if name != "airflow-init":
+            assert deps.get("airflow-init", {}).get("condition") == \
+                "service_completed_successfully", f"{name} must start after airflow-init"
+    # LocalExecutor: the tasks run in the scheduler and need the jobs' database.
+    assert services["airflow-scheduler"]["depends_on"]["jobs-db"]["condition"] == \
+        "service_healthy"
+    assert services["airflow-apiserver"].get("command") == "api-server"
+
+
+# --- image -----------------------------------------------------------------------------------
+
+def test_dockerfile_base_image_is_pinned():
+    froms = [rest.split()[0] for keyword, rest in dockerfile_instructions() if keyword == "FROM"]
+    assert len(froms) == 1, f"expected one FROM line, got {froms}"
+    ref = froms[0]
+    assert "$" not in ref, f"base image {ref} depends on a build argument"
+    m = re.fullmatch(r"apache/airflow:(?:slim-)?(\d+\.\d+\.\d+)-python(\d+\.\d+)", ref)
+    assert m, f"base image {ref} is not a pinned apache/airflow:<version>-python<x.y> tag"
+    assert m[1] == AIRFLOW_VERSION
+    # constraints.txt is frozen for one Python: the image must run that one.
+    py = re.search(r"for Python (\d+\.\d+)", (REPO / "constraints.txt").read_text())
+    assert py and m[2] == py[1], f"image Python {m[2]} but constraints.txt is for {py and py[1]}"
+
+
+def test_versions_agree():
+    pin = f"apache-airflow=={AIRFLOW_VERSION}"
+    for name in ("requirements.txt", "constraints.txt"):
+        lines = [line.strip() for line in (REPO / name).read_text().splitlines()]
+        assert pin in lines, f"{name} does not pin {pin}"
+    # The configuration reference the tests below read is the one of the deployed version.
+    assert metadata.version("apache-airflow") == AIRFLOW_VERSION
+
+
+def test_dockerfile_installs_pinned_requirements_as_airflow():
+    instructions = dockerfile_instructions()
+    user = "airflow"  # the base image's user
+    installs = []
+    for keyword, rest in instructions:
+        if keyword == "USER":
+            user = rest.split(":")[0]
+        elif keyword == "RUN" and re.search(r"\bpip install\b", rest):
+            installs.append((user, rest))
+        elif keyword in ("COPY", "ADD"):
+            sources = [a for a in shlex.split(rest) if not a.startswith("--")][:-1]
+            assert {Path(s).name for s in sources} <= {"requirements.txt", "constraints.txt"}, \
+                f"{keyword} {rest}: only the dependency files are baked in (the rest is mounted)"
+    assert installs, "the Dockerfile installs nothing"
+    for user, command in installs:
+        assert user == "airflow", "pip must run as the airflow user (official image docs)"
+        assert re.search(r"(?:^|\s)-r\s+\S*requirements\.txt\b", command), command
+        assert re.search(r"(?:^|\s)-c\s+\S*constraints\.txt\b", command), command
+
+
+def test_no_pip_additional_requirements(services):
+    for name, svc in services.items():
+        assert "_PIP_ADDITIONAL_REQUIREMENTS" not in environment(svc), \
+            f"{name}: dependencies belong in the image, not _PIP_ADDITIONAL_REQUIREMENTS"
+    for keyword, rest in dockerfile_instructions():
+        assert "_PIP_ADDITIONAL_REQUIREMENTS" not in rest, f"Dockerfile {keyword} {rest}"
+
+
+def test_airflow_services_share_the_built_image(compose, services):
+    for name in AIRFLOW_SERVICES:
+        svc = services[name]
+        build = svc.get("build")
+        context = build if isinstance(build, str) else (build or {}).get("context")
+        assert context and (REPO / context).resolve() == REPO, f"{name} does not build ./"
+        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile",
+                                                                           "Dockerfile")
+        assert (REPO / dockerfile).resolve() == DOCKERFILE
+        assert svc.get("image") == services["airflow-scheduler"].get("image"), \
+            f"{name} runs another image than the scheduler"
+    for name, svc in services.items():
+        image = svc.get("image")
+        if image and "build" not in svc:
+            tag = image.rsplit("/", 1)[-1].partition(":")[2]
+            assert tag and tag != "latest" and "$" not in image, f"{name}: unpinned {image}"
+
+
+# --- Airflow configuration -------------------------------------------------------------------
+
+def test_load_examples_off_and_core_settings(services):
+    for name in AIRFLOW_SERVICES:
+        env = environment(services[name])
+        assert (env.get("AIRFLOW__CORE__LOAD_EXAMPLES") or "").lower() == "false", name
+        assert env.get("AIRFLOW__CORE__EXECUTOR") == "LocalExecutor", name
+        assert env.get("AIRFLOW__CORE__EXECUTION_API_SERVER_URL") == \
+            "http://airflow-apiserver:8080/execution/", name
+        assert env.get("AIRFLOW__CORE__DEFAULT_TASK_RETRIES") == "2", name
+        assert env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "").startswith(
+            "postgresql+psycopg2://") and "@postgres:" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        # Components must agree on these or tokens / connection passwords cannot be read.
+        for key in ("AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET"):
+            assert env.get(key) == environment(services["airflow-scheduler"]).get(key), \
+                f"{name}: {key} differs from the scheduler's"
+            assert env.get(key), f"{name}: {key} is not set"
+
+
+def test_airflow_options_exist_in_airflow_config_reference(services):
+    """Every AIRFLOW__SECTION__KEY is an option of the installed Airflow (catches typos, e.g.
+    a misspelt metrics option that Airflow would silently ignore)."""
+    spec = util.find_spec("airflow")
+    reference = Path(list(spec.submodule_search_locations)[0]) / "config_templates" / "config.yml"
+    config = yaml.safe_load(reference.read_text())
+    known = {(section, option) for section, body in config.items()
+             for option in (body.get("options") or {})}
+    for name, svc in services.items():
+        for key in environment(svc):
+            if not key.startswith("AIRFLOW__"):
+                continue
+            _, section, option = key.lower().split("__", 2)
+            option = re.sub(r"_(cmd|secret)$", "", option) \
+                if (section, option) not in known else option
+            assert (section, option) in known, f"{name}: {key} is no option of Airflow " \
+                                               f"{AIRFLOW_VERSION} ({reference})"
+
+
+def test_metrics_go_to_statsd_exporter_with_tags(services, env_example):
+    env = environment(services["airflow-scheduler"])
+    assert env.get("AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED", "").lower() == "true", \
+        "without InfluxDB-style tags statsd-exporter loses every metric tag"
+    host = env.get("AIRFLOW__METRICS__STATSD_HOST")
+    assert host in services, f"StatsD host {host!r} is no compose service"
+    listen = [a for a in scalars(services[host].get("command") or [])
+              if a.startswith("--statsd.listen-udp=")]
+    assert listen and listen[0].rsplit(":", 1)[1] == env.get("AIRFLOW__METRICS__STATSD_PORT")
+    assert "AIRFLOW__METRICS__STATSD_ON" in env
+    # The mapping and the Prometheus files are those of include/monitoring/.
+    mounts = {src: tgt for _, src, tgt in volumes(services[host])}
+    assert mounts.get("./include/monitoring/statsd_mapping.yml")
+    assert f"--statsd.mapping-config={mounts['./include/monitoring/statsd_mapping.yml']}" in \
+        services[host]["command"]
+    prom = {src: tgt for _, src, tgt in volumes(services["prometheus"])}
+    assert prom.get("./include/monitoring/prometheus") == "/etc/prometheus"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+
+
+# --- mounts ----------------------------------------------------------------------------------
+
+def test_bind_mount_sources_exist_in_repository(compose, services):
+    declared = set(compose.get("volumes") or {})
+    for name, svc in services.items():
+        for kind, source, target in volumes(svc):
+            if kind != "bind":
+                assert source in declared, f"{name}: volume {source} is not declared"
+                continue
+            assert "$" not in source, f"{name}: mount source {source} depends on a variable"
+            path = (REPO / source).resolve()
+            assert path.is_relative_to(REPO), f"{name}: {source} is outside the repository"
+            assert path.exists(), f"{name}: mount source {source} does not exist"
+    for name in AIRFLOW_SERVICES:
+        mounts = {(REPO / src).resolve(): tgt for kind, src, tgt in volumes(services[name])
+                  if kind == "bind"}
+        for source, target in AIRFLOW_MOUNTS.items():
+            assert mounts.get(REPO / source) == target, f"{name}: ./{source} not at {target}"
+
+
+def test_jobs_db_init_creates_the_connections_databases(services, env_example):
+    jobs_db = services["jobs-db"]
+    mounts = {src: tgt for kind, src, tgt in volumes(jobs_db) if kind == "bind"}
+    init_target = mounts.get("./" + JOBS_DB_INIT.relative_to(REPO).as_posix())
+    assert init_target and init_target.startswith("/docker-entrypoint-initdb.d/") \
+        and init_target.endswith(".sh"), "jobs-db does not run include/compose/jobs-db-init.sh"
+    assert os.access(JOBS_DB_INIT, os.X_OK), "the init script must be executable (else sourced)"
+    text = JOBS_DB_INIT.read_text()
+    schema_dir = jobs_db_env(services, env_example).get("PIN_SCHEMA_DIR")
+    assert schema_dir and mounts.get("./include/sql/schema") == schema_dir, \
+        "the schema files are not mounted where the init script reads them"
+
+    created = set(re.search(r"^for db in ([\w ]+); do$", text, re.M)[1].split())
+    assert "CREATE DATABASE" in text
+    applied: dict[str, list[str]] = {}
+    for db, sql in re.findall(r'--dbname (\w+) -f "\$\{SCHEMA_DIR\}/([\w.]+)"', text):
+        assert (REPO / "include" / "sql" / "schema" / sql).is_file(), f"missing schema/{sql}"
+        assert db in created, f"{sql} is applied to {db}, which the script does not create"
+        applied.setdefault(db, []).append(sql)
+
+    conns = init_connections(services, env_example)
+    domain = {"news_db": "news_domain.sql", "catalog_db": "catalog_domain.sql"}
+    for conn_id in JOB_CONNECTIONS:
+        db = conns[conn_id]["--conn-schema"]
+        assert db in created, f"{conn_id} points to database {db}, never created"
+        assert domain[conn_id] in applied.get(db, []), f"{db} lacks {domain[conn_id]}"
+
+
+# --- airflow-init ----------------------------------------------------------------------------
+
+def test_init_imports_pools_json(services):
+    init = services["airflow-init"]
+    imports = [args for args in cli_calls(script(init), "airflow pools") if args[0] == "import"]
+    assert imports, "airflow-init does not import the pools"
+    mounts = {tgt: (REPO / src).resolve() for kind, src, tgt in volumes(init) if kind == "bind"}
+    for args in imports:
+        assert mounts.get(args[1]) == REPO / "pools.json", \
+            f"airflow-init imports {args[1]}, which is not the repository's pools.json"
+
+
+def test_every_pool_is_defined_in_pools_json():
+    pools = json.loads((REPO / "pools.json").read_text())
+    used = set()
+    for dag_file in (REPO / "dags").glob("*.py"):
+        text = dag_file.read_text()
+        used |= set(re.findall(r'^POOL\s*=\s*"([^"]+)"', text, re.M))
+        used |= set(re.findall(r'pool\s*=\s*"([^"]+)"', text))
+    assert used, "no pool found in the DAG files"
+    assert used <= set(pools), f"pools used by the DAGs but not imported: {used - set(pools)}"
+    for name, pool in pools.items():
+        assert isinstance(pool.get("slots"), int) and pool["slots"] >= 1, name
+
+
+def test_init_creates_job_connections(services, env_example):
+    conns = init_connections(services, env_example)
+    db_env = jobs_db_env(services, env_example)
+    for conn_id in JOB_CONNECTIONS:
+        assert conn_id in conns, f"airflow-init does not create connection {conn_id}"
+        conn = conns[conn_id]
+        assert conn.get("--conn-type") == "postgres", conn_id
+        assert conn.get("--conn-host") in services, f"{conn_id}: host is no compose service"
+        assert conn.get("--conn-port") == "5432"
+        # The credentials are those jobs-db is created with.
+        assert conn.get("--conn-login") == db_env["POSTGRES_USER"], conn_id
+        assert conn.get("--conn-password") == db_env["POSTGRES_PASSWORD"], conn_id
+    assert conns["news_db"]["--conn-schema"] == "news"
+    assert conns["catalog_db"]["--conn-schema"] == "catalog"
+
+
+# --- secrets and variables -------------------------------------------------------------------
+
+def _no_literal_default(m: re.Match) -> bool:
+    return not (m["op"] or "").endswith("-") or not m["arg"]
+
+
+def _only_interpolation(value: str) -> bool:
+    """True when ``value`` is made of interpolations without a literal default."""
+    parts = list(INTERPOLATION.finditer(value))
+    rest = INTERPOLATION.sub("", value)
+    return bool(parts) and not rest.strip() and all(map(_no_literal_default, parts))
+
+
+def _url_passwords(value: str) -> list[str]:
+    """The password part of every ``scheme://user:password@host`` in ``value``, with its
+    interpolations (which may hold ':' or spaces) put back."""
+    found: list[str] = []
+
+    def mask(m: re.Match) -> str:
+        found.append(m[0])
+        return f"VAR{len(found) - 1}X"
+
+    masked = INTERPOLATION.sub(mask, value)
+    return [re.sub(r"VAR(\d+)X", lambda v: found[int(v[1])], m[1])
+            for m in re.finditer(r"://[^/\s:@]+:([^@\s]+)@", masked)]
+
+
+def test_no_literal_secrets(compose, services):
+    for name, svc in services.items():
+        for key, value in environment(svc).items():
+            if SECRET_NAME.search(key) and not key.endswith(("_FILE", "_PATH", "_CONN_ID")):
+                assert value is not None and _only_interpolation(value), \
+                    f"{name}: {key} must come from .env (${{VAR:?}}), got {value!r}"
+    for value in scalars(compose):
+        for password in _url_passwords(value):
+            assert _only_interpolation(password), f"literal password in URL {value!r}"
+        for m in re.finditer(r"--[\w-]*password[= ]\s*\"?([^\s\"]+)", value, re.I):
+            assert m[1].startswith("$"), f"literal password on a command line: {m[0]!r}"
+
+
+def test_env_example_holds_placeholders_only(env_example):
+    for name, value in env_example.items():
+        if SECRET_NAME.search(name):
+            assert "change-me" in value, f".env.example: {name} must be a change-me placeholder"
+
+
+def test_interpolated_variables_are_in_env_example(compose, services, env_example):
+    referenced: dict[str, set[str]] = {}
+    for value in scalars(compose):
+        for m in INTERPOLATION.finditer(value):
+            referenced.setdefault(m["name"] or m["bare"], set()).add(m["op"] or "")
+    undefined = set(referenced) - set(env_example)
+    assert not undefined, f"used in docker-compose.yaml, missing in .env.example: {undefined}"
+    for name, ops in referenced.items():
+        if any(op.endswith("?") for op in ops):
+            assert env_example[name], f".env.example: required {name} is empty"
+    unused = set(env_example) - set(referenced)
+    assert not unused, f".env.example defines variables docker-compose.yaml never uses: {unused}"
+    # Pass-through variables (no value in compose) are documented there, commented out.
+    env_text = ENV_EXAMPLE.read_text()
+    for name, svc in services.items():
+        for key, value in environment(svc).items():
+            if value is None:
+                assert re.search(rf"^#?\s*{key}=", env_text, re.M), \
+                    f"{name}: pass-through {key} is not documented in .env.example"
+    # .env.example as .env satisfies every required variable.
+    for value in scalars(compose):
+        interpolate(value, env_example)
+
+
+# --- network ---------------------------------------------------------------------------------
+
+def test_published_ports_bind_localhost(services, env_example):
+    for name, svc in services.items():
+        for port in published_ports(svc):
+            if isinstance(port, dict):
+                host_ip = port.get("host_ip")
+            else:
+                parts = interpolate(str(port), env_example).split(":")
+                host_ip = parts[0] if len(parts) == 3 else None
+            assert host_ip == "127.0.0.1", f"{name}: port {port} is published on every interface"
+    api_ports = [str(p) for p in published_ports(services["airflow-apiserver"])]
+    assert any(p.startswith("127.0.0.1:") and p.endswith(":8080") for p in api_ports), \
+        "the api-server's port 8080 is not published on 127.0.0.1"
