@@ -16,6 +16,10 @@ class JobConfigError(ValueError):
     """Options or environment that make a run impossible; raised before any write."""
 
 
+class DatabaseUnavailable(RuntimeError):
+    """The job's database cannot be reached (retryable: Airflow retries the task)."""
+
+
 class LeaseLost(RuntimeError):
     """The run's lease expired or was taken over: the worker must stop writing (fencing)."""
 
@@ -41,23 +45,30 @@ def sql(name: str) -> str:
 def connect(conn_id: str):
     """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off.
 
-    A missing Airflow connection or an unreachable server raises :class:`JobConfigError` naming
-    the connection, so that the task fails before it touches any data.
+    A missing Airflow connection raises :class:`JobConfigError` (not retried); an unreachable
+    server raises :class:`DatabaseUnavailable` (retried). Both name the connection, and both
+    happen before the task touches any data.
     """
     from airflow.providers.postgres.hooks.postgres import PostgresHook
 
     try:
+        from airflow.sdk.exceptions import AirflowNotFoundException
+    except ImportError:  # pragma: no cover - older layouts
+        from airflow.exceptions import AirflowNotFoundException
+    try:
         hook = PostgresHook(postgres_conn_id=conn_id)
+        hook.connection  # noqa: B018 - resolves the Airflow connection
+    except AirflowNotFoundException as exc:
+        raise JobConfigError(
+            f"Airflow connection {conn_id!r} is not defined: create it (UI Admin > "
+            f"Connections, or AIRFLOW_CONN_{conn_id.upper()})"
+        ) from exc
+    try:
         conn = hook.get_conn()
     except Exception as exc:  # noqa: BLE001 - re-raised with the connection named
-        name = type(exc).__name__
-        if "ConnectionNotFound" in name or "not defined" in str(exc):
-            raise JobConfigError(
-                f"Airflow connection {conn_id!r} is not defined: create it (UI Admin > "
-                f"Connections, or AIRFLOW_CONN_{conn_id.upper()})"
-            ) from exc
-        raise JobConfigError(
-            f"cannot connect to the database of Airflow connection {conn_id!r}: {exc}"
+        raise DatabaseUnavailable(
+            f"cannot connect to the database of Airflow connection {conn_id!r}: "
+            f"{str(exc).strip()}"
         ) from exc
     conn.autocommit = False
     return conn
