@@ -25,6 +25,11 @@ test: setup
 airflow: setup
 	$(BIN)/python -m tools.airflow_up
 
+# Benchmarks (not part of the test suite): make bench [SCALE=0.1]
+SCALE ?= 1
+bench: setup
+	$(BIN)/python -m bench.run --scale $(SCALE)
+
 # Re-pin the full dependency set after changing requirements.txt.
 constraints:
 	rm -rf /tmp/pin-nightly-constraints && $(PYTHON) -m venv /tmp/pin-nightly-constraints
