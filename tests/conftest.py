@@ -14,7 +14,10 @@ sys.path.insert(0, str(REPO))
 
 from tools import devenv  # noqa: E402
 
-TEST_HOME = REPO / ".airflow" / "test"
+# PIN_TEST_ID keeps concurrent test sessions on one machine apart (databases, Airflow home).
+SUFFIX = os.environ.get("PIN_TEST_ID", "")
+TEST_HOME = REPO / ".airflow" / f"test{SUFFIX}"
+os.environ["PIN_TEST_HOME"] = str(TEST_HOME)
 devenv.apply_airflow_env(TEST_HOME)
 
 import psycopg  # noqa: E402
@@ -35,7 +38,7 @@ def pg_admin() -> str:
 
 
 def _database(name: str, env_var: str, schema_fn):
-    dsn = devenv.recreate_database(name)
+    dsn = devenv.recreate_database(name + SUFFIX)
     schema_fn(dsn)
     os.environ[env_var] = devenv.airflow_connection(dsn)
     conn = psycopg.connect(dsn, autocommit=True)

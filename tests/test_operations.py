@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from tests import helpers
+from tests.conftest import SUFFIX
 from tools import devenv
 from tools.stack import Stack, free_port, stack_env
 
@@ -55,13 +56,13 @@ class Webhook:
 def stack(pg_admin):
     from tools.demodata import create_catalog_schema, create_news_schema
 
-    home = devenv.REPO / ".airflow" / "e2e"
-    news_dsn = devenv.recreate_database("pin_e2e_news")
+    home = devenv.REPO / ".airflow" / f"e2e{SUFFIX}"
+    news_dsn = devenv.recreate_database(f"pin_e2e_news{SUFFIX}")
     create_news_schema(news_dsn)
-    catalog_dsn = devenv.recreate_database("pin_e2e_catalog")
+    catalog_dsn = devenv.recreate_database(f"pin_e2e_catalog{SUFFIX}")
     create_catalog_schema(catalog_dsn)
     hook = Webhook()
-    env = stack_env(home, devenv.recreate_database("pin_e2e_airflow"), free_port(), {
+    env = stack_env(home, devenv.recreate_database(f"pin_e2e_airflow{SUFFIX}"), free_port(), {
         "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
         "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
         "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
@@ -95,6 +96,13 @@ def test_both_dags_run_through_the_scheduler(stack):
     summary = stack.news.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s",
                              news_run)
     assert summary["drift_corrected"] == 1
+
+
+def test_invalid_conf_is_rejected_by_the_rest_api(stack):
+    before = stack.get(f"/api/v2/dags/{NEWS}/dagRuns")["total_entries"]
+    with pytest.raises(RuntimeError, match=r"HTTP 400.*batch_size"):
+        stack.trigger(NEWS, {"batch_size": "10"})
+    assert stack.get(f"/api/v2/dags/{NEWS}/dagRuns")["total_entries"] == before
 
 
 def test_a_deadline_miss_reaches_the_webhook(stack):

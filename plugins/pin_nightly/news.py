@@ -267,6 +267,7 @@ def _emit(result: dict[str, Any]) -> None:
         return
     metrics.incr(f"{METRIC}_posts_reconciled_total", result["posts_reconciled"])
     metrics.incr(f"{METRIC}_drift_corrected_total", result["drift_corrected"])
+    metrics.incr(f"{METRIC}_errors_total", 0)  # the series exists before the first error
     metrics.timing(f"{METRIC}_run_duration_ms", result["duration_ms"])
     metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
     metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])

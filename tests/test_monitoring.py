@@ -1,0 +1,740 @@
+"""The monitoring files (statsd-exporter mapping, Prometheus config and rules, Grafana dashboard)
+agree with the metrics the code emits.
+
+The emitted metrics are read from the source of ``plugins/pin_nightly/*.py``, never listed
+here: every call of ``metrics.incr`` / ``metrics.gauge`` / ``metrics.timing`` (and the
+wrappers inside ``metrics.py`` such as ``last_success``) is found with ``ast``, and its name,
+a string or an f-string, is resolved from the module's constants (``METRIC = "..."``) or, for
+a function parameter (``f"{metric}_errors_total"``), from the arguments at the function's call
+sites. A name that cannot be resolved fails the scan instead of being skipped.
+
+Pure file checks: no database, no Airflow run, no network.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "plugins" / "pin_nightly"
+MON = REPO / "include" / "monitoring"
+MAPPING = MON / "statsd_mapping.yml"
+PROM_DIR = MON / "prometheus"
+ALERTS = PROM_DIR / "alerts.yml"
+PROMETHEUS = PROM_DIR / "prometheus.yml"
+DASHBOARD = MON / "grafana" / "pin-nightly-dashboard.json"
+# docker-compose mounts include/monitoring/prometheus/ here
+PROM_MOUNT = "/etc/prometheus/"
+SCRAPE_TARGET = "statsd-exporter:9102"
+
+# [metrics] statsd_prefix that the mapping documents and matches
+STATSD_PREFIX = "airflow"
+# The Airflow settings the mapping's header must document (name -> value, None: any value).
+AIRFLOW_SETTINGS = {
+    "STATSD_ON": "True",
+    "STATSD_HOST": None,
+    "STATSD_PORT": "9125",
+    "STATSD_PREFIX": STATSD_PREFIX,
+    "STATSD_INFLUXDB_ENABLED": "True",
+}
+
+EMITTERS = {"incr": "counter", "gauge": "gauge", "timing": "timer"}
+METRICS_MODULE = "metrics"
+HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+TARGET_LABELS = {"job", "instance"}  # added by the Prometheus scrape
+
+
+# ------------------------------------------------------------------------------ source scan
+class Unresolvable(Exception):
+    pass
+
+
+@dataclass
+class Emitted:
+    kind: str  # counter | gauge | timer
+    tags: set[str] = field(default_factory=set)
+    sites: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+    constants: dict[str, str]
+    functions: dict[str, ast.FunctionDef]
+    imported: dict[str, tuple[str, str | None]]  # local name -> (module, function or None)
+
+
+def _load_modules(pkg: Path) -> dict[str, Module]:
+    names = {p.stem for p in pkg.glob("*.py")}
+    mods = {}
+    for path in sorted(pkg.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        constants: dict[str, str] = {}
+        functions: dict[str, ast.FunctionDef] = {}
+        imported: dict[str, tuple[str, str | None]] = {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                target, value = node.target, node.value
+            else:
+                target = value = None
+            if (isinstance(target, ast.Name) and isinstance(value, ast.Constant)
+                    and isinstance(value.value, str)):
+                constants[target.id] = value.value
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[node.name] = node
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = (node.module or "").rsplit(".", 1)[-1]
+            for alias in node.names:
+                local = alias.asname or alias.name
+                if alias.name in names and (node.module or "").split(".")[-1] != alias.name:
+                    imported[local] = (alias.name, None)  # from pin_nightly import metrics
+                elif source in names:
+                    imported[local] = (source, alias.name)  # from pin_nightly.jobs import f
+        mods[path.stem] = Module(path.stem, path, tree, constants, functions, imported)
+    return mods
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _enclosing_function(node: ast.AST, parents: dict) -> ast.FunctionDef | None:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return node
+    return None
+
+
+def _call_target(call: ast.Call, mod: Module, mods: dict[str, Module]) -> tuple[str, str] | None:
+    """(module, function) a call goes to, when it is a function of the package."""
+    f = call.func
+    if isinstance(f, ast.Name):
+        if f.id in mod.functions:
+            return mod.name, f.id
+        src = mod.imported.get(f.id)
+        if src and src[1] is not None:
+            return src
+    elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+        src = mod.imported.get(f.value.id)
+        if src and src[1] is None:
+            return src[0], f.attr
+        if f.value.id in mods and f.value.id not in mod.constants:
+            return f.value.id, f.attr
+    return None
+
+
+def _params(func: ast.FunctionDef) -> list[str]:
+    a = func.args
+    return [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+
+
+def _arg(call: ast.Call, func: ast.FunctionDef, param: str) -> ast.AST | None:
+    for kw in call.keywords:
+        if kw.arg == param:
+            return kw.value
+    positional = [p.arg for p in (*func.args.posonlyargs, *func.args.args)]
+    if param in positional and positional.index(param) < len(call.args):
+        return call.args[positional.index(param)]
+    return None
+
+
+def _resolve(node, mod: Module, func, mods, parents, depth=0) -> set[str]:
+    """All the strings an expression of the metric name can be."""
+    where = f"{mod.path.name}:{getattr(node, 'lineno', '?')}"
+    if depth > 6:
+        raise Unresolvable(f"{where}: too deep")
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.JoinedStr):
+        out = {""}
+        for part in node.values:
+            if isinstance(part, ast.Constant):
+                values = {str(part.value)}
+            elif (isinstance(part, ast.FormattedValue) and part.conversion == -1
+                  and part.format_spec is None):
+                values = _resolve(part.value, mod, func, mods, parents, depth + 1)
+            else:
+                raise Unresolvable(f"{where}: f-string part {ast.dump(part)}")
+            out = {a + b for a in out for b in values}
+        return out
+    if isinstance(node, ast.Name):
+        if func is not None and node.id in _params(func):
+            return _resolve_param(mod, func, node.id, mods, parents, depth + 1)
+        if node.id in mod.constants:
+            return {mod.constants[node.id]}
+        raise Unresolvable(f"{where}: {node.id!r} is neither a module constant nor a parameter")
+    raise Unresolvable(f"{where}: metric name is {ast.unparse(node)!r}")
+
+
+def _resolve_param(mod, func, param, mods, parents, depth) -> set[str]:
+    """The values a parameter gets at the function's call sites in the package."""
+    out: set[str] = set()
+    for caller in mods.values():
+        for call in ast.walk(caller.tree):
+            if not isinstance(call, ast.Call):
+                continue
+            if _call_target(call, caller, mods) != (mod.name, func.name):
+                continue
+            arg = _arg(call, func, param)
+            if arg is None:
+                raise Unresolvable(f"{caller.path.name}:{call.lineno}: {func.name}() called "
+                                   f"without {param}")
+            out |= _resolve(arg, caller, _enclosing_function(call, parents[caller.name]),
+                            mods, parents, depth)
+    if not out:
+        raise Unresolvable(f"{mod.path.name}: no call site of {func.name}() gives {param}")
+    return out
+
+
+def scan_emitted(pkg: Path) -> dict[str, Emitted]:
+    """Metric name -> kind and tag keys, from every metrics.incr/gauge/timing call."""
+    mods = _load_modules(pkg)
+    parents = {name: _parents(m.tree) for name, m in mods.items()}
+    emitted: dict[str, Emitted] = {}
+    for mod in mods.values():
+        for call in ast.walk(mod.tree):
+            if not isinstance(call, ast.Call):
+                continue
+            target = _call_target(call, mod, mods)
+            if target is None or target[0] != METRICS_MODULE or target[1] not in EMITTERS:
+                continue
+            name_node = call.args[0] if call.args else next(
+                (k.value for k in call.keywords if k.arg == "name"), None)
+            if name_node is None:
+                raise Unresolvable(f"{mod.path.name}:{call.lineno}: no metric name")
+            func = _enclosing_function(call, parents[mod.name])
+            names = _resolve(name_node, mod, func, mods, parents)
+            tags_node = next((k.value for k in call.keywords if k.arg == "tags"),
+                             call.args[2] if len(call.args) > 2 else None)
+            tags = ({k.value for k in tags_node.keys if isinstance(k, ast.Constant)}
+                    if isinstance(tags_node, ast.Dict) else set())
+            kind = EMITTERS[target[1]]
+            for name in names:
+                e = emitted.setdefault(name, Emitted(kind))
+                assert e.kind == kind, f"{name} is emitted as {e.kind} and as {kind}"
+                e.tags |= tags
+                e.sites.add(f"{mod.path.name}:{call.lineno}")
+    return emitted
+
+
+@pytest.fixture(scope="module")
+def emitted() -> dict[str, Emitted]:
+    found = scan_emitted(PKG)
+    assert found, f"no metrics.incr/gauge/timing call found in {PKG}"
+    return found
+
+
+def exposed_series(emitted: dict[str, Emitted]) -> dict[str, str]:
+    """Prometheus series name -> emitted metric: a timer is a histogram (_bucket/_count/_sum)."""
+    out = {}
+    for name, e in emitted.items():
+        if e.kind == "timer":
+            out.update({name + s: name for s in HISTOGRAM_SUFFIXES})
+        else:
+            out[name] = name
+    return out
+
+
+def test_scanner_resolves_constants_parameters_and_wrappers(tmp_path):
+    (tmp_path / "metrics.py").write_text(
+        "def gauge(name, value, tags=None): pass\n"
+        "def incr(name, count=1, tags=None): pass\n"
+        "def timing(name, ms, tags=None): pass\n"
+        "def last_success(prefix):\n"
+        "    gauge(f'{prefix}_last_success_timestamp_seconds', 1)\n")
+    (tmp_path / "jobs.py").write_text(
+        "from pin_nightly import metrics\n"
+        "def run(job, metric):\n"
+        "    metrics.incr(f'{metric}_errors_total')\n")
+    (tmp_path / "a.py").write_text(
+        "from pin_nightly import metrics\n"
+        "from pin_nightly.jobs import run\n"
+        "METRIC = 'job_a'\n"
+        "def emit():\n"
+        "    metrics.timing(f'{METRIC}_duration_seconds', 5)\n"
+        "    metrics.incr('shared_total', tags={'kind': 'x'})\n"
+        "    metrics.last_success(METRIC)\n"
+        "    run(None, METRIC)\n")
+    (tmp_path / "b.py").write_text(
+        "from pin_nightly import jobs, metrics\n"
+        "METRIC = 'job_b'\n"
+        "def go():\n"
+        "    jobs.run(None, metric=METRIC)\n")
+    found = scan_emitted(tmp_path)
+    assert {n: (e.kind, e.tags) for n, e in found.items()} == {
+        "job_a_duration_seconds": ("timer", set()),
+        "shared_total": ("counter", {"kind"}),
+        "job_a_last_success_timestamp_seconds": ("gauge", set()),
+        "job_a_errors_total": ("counter", set()),
+        "job_b_errors_total": ("counter", set()),
+    }
+    assert set(exposed_series(found)) >= {"job_a_duration_seconds_bucket", "shared_total"}
+    assert "job_a_duration_seconds" not in exposed_series(found)
+
+    (tmp_path / "c.py").write_text(
+        "from pin_nightly import metrics\n"
+        "def bad(n):\n"
+        "    metrics.gauge(n.upper(), 1)\n"
+        "bad('x')\n")
+    with pytest.raises(Unresolvable):
+        scan_emitted(tmp_path)
+
+
+# ------------------------------------------------------------------------------- PromQL
+PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
+                "group_right", "offset", "bool", "inf", "nan", "atan2", "start", "end"}
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^()]*)\)")
+_SELECTOR = re.compile(r"([a-zA-Z_:][\w:]*)?\s*\{([^{}]*)\}")
+_IDENT = re.compile(r"(?<![\w.:$])([a-zA-Z_:][\w:]*)(?![\w:])(?!\s*\()")
+
+
+@dataclass
+class PromQL:
+    metrics: set[str]
+    labels: set[str]  # label names used in matchers and by/on/... clauses
+
+
+def parse_promql(expr: str) -> PromQL:
+    """Metric names and label names of a PromQL expression (a lexer, not a parser)."""
+    text = _STRING.sub('""', expr)
+    text = re.sub(r"\$\{[^}]*\}|\$\w+", "1m", text)  # Grafana variables ($__range, ${x})
+    labels: set[str] = set()
+    for m in _GROUPING.finditer(text):
+        labels |= {x.strip() for x in m.group(1).split(",") if x.strip()}
+    text = _GROUPING.sub(" ", text)
+    metrics: set[str] = set()
+    for m in _SELECTOR.finditer(text):
+        labels |= set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)", m.group(2)))
+    labels.discard("__name__")
+    text = _SELECTOR.sub(lambda m: f" {m.group(1) or ''} ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # range and subquery durations
+    text = re.sub(r"\boffset\s+-?[\dsmhdwy]+", " ", text)
+    metrics |= {t for t in _IDENT.findall(text) if t.lower() not in PROMQL_WORDS}
+    return PromQL(metrics, labels)
+
+
+def test_promql_lexer():
+    q = parse_promql(
+        'sum by (dag_id, alert) (increase(a_total{alert="x y", op=~"w.*"}[1d])) > 1e3 '
+        'or histogram_quantile(0.95, sum by (le) (rate(b_bucket[$__rate_interval]))) '
+        '+ on() group_left() (time() - c offset 26h) / 3600 > 26 * 3600 and bool d:rec')
+    assert q.metrics == {"a_total", "b_bucket", "c", "d:rec"}
+    assert q.labels == {"dag_id", "alert", "op", "le"}
+
+
+# ------------------------------------------------------------------------------ helpers
+_DURATION = re.compile(r"(\d+)(ms|y|w|d|h|m|s)")
+_UNIT = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
+
+
+def seconds(duration: str | None) -> float:
+    if not duration:
+        return 0
+    parts = _DURATION.findall(str(duration))
+    assert parts and "".join(n + u for n, u in parts) == str(duration), duration
+    return sum(int(n) * _UNIT[u] for n, u in parts)
+
+
+def _const_eval(node: ast.AST):
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+        a, b = _const_eval(node.left), _const_eval(node.right)
+        return a * b if isinstance(node.op, ast.Mult) else a + b
+    raise ValueError(ast.dump(node))
+
+
+def code_constant(path: Path, name: str):
+    for node in ast.parse(path.read_text()).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
+            return _const_eval(node.value)
+    raise AssertionError(f"{name} not found in {path}")
+
+
+def param_default(dag_file: Path, param: str):
+    """Default of a DAG Param: ``"param": Param(<default>, ...)``."""
+    for node in ast.walk(ast.parse(dag_file.read_text())):
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if (isinstance(k, ast.Constant) and k.value == param
+                        and isinstance(v, ast.Call) and v.args):
+                    return _const_eval(v.args[0])
+    raise AssertionError(f"Param {param} not found in {dag_file}")
+
+
+def tag_values(path: Path, key: str) -> set[str]:
+    """String values given to ``key`` in dict literals of a module (e.g. alert kinds)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if isinstance(k, ast.Constant) and k.value == key and isinstance(v, ast.Constant):
+                    out.add(v.value)
+    return out
+
+
+def _norm(expr: str) -> str:
+    return re.sub(r"\s+", " ", expr).strip()
+
+
+def check_references(where: str, expr: str, emitted: dict[str, Emitted]) -> list[str]:
+    """Problems of one expression: unknown metrics, labels the code does not send."""
+    q = parse_promql(expr)
+    series = exposed_series(emitted)
+    problems = []
+    if not q.metrics:
+        problems.append(f"{where}: no metric found in {expr!r}")
+    allowed = set(TARGET_LABELS)
+    for name in sorted(q.metrics):
+        if name not in series:
+            hint = " (a timer: use _bucket/_count/_sum)" if emitted.get(name, None) else ""
+            problems.append(f"{where}: {name} is not a metric the code emits{hint}")
+            continue
+        allowed |= emitted[series[name]].tags
+        if name.endswith("_bucket"):
+            allowed.add("le")
+    if q.labels - allowed:
+        problems.append(f"{where}: labels {sorted(q.labels - allowed)} are not sent with "
+                        f"{sorted(q.metrics)} (tags: {sorted(allowed - TARGET_LABELS)})")
+    return problems
+
+
+# ---------------------------------------------------------------------------- the files
+@pytest.fixture(scope="module")
+def mapping() -> dict:
+    doc = yaml.safe_load(MAPPING.read_text())
+    assert isinstance(doc, dict) and isinstance(doc.get("mappings"), list) and doc["mappings"]
+    return doc
+
+
+@pytest.fixture(scope="module")
+def rules() -> list[dict]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    assert isinstance(doc, dict) and doc.get("groups"), "alerts.yml has no groups"
+    out = []
+    for group in doc["groups"]:
+        assert group.get("name") and group.get("rules"), group
+        out += group["rules"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def alerts(rules) -> list[dict]:
+    found = [r for r in rules if "alert" in r]
+    assert found, "alerts.yml has no alerting rule"
+    return found
+
+
+@pytest.fixture(scope="module")
+def prometheus() -> dict:
+    doc = yaml.safe_load(PROMETHEUS.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    doc = json.loads(DASHBOARD.read_text())
+    assert isinstance(doc, dict) and doc.get("panels")
+    return doc
+
+
+def dashboard_panels(dash: dict) -> list[dict]:
+    out = []
+    for p in dash["panels"]:
+        out.append(p)
+        out += p.get("panels", [])  # panels of a collapsed row
+    return out
+
+
+def dashboard_targets(dash: dict) -> list[tuple[str, dict]]:
+    return [(p.get("title", "?"), t) for p in dashboard_panels(dash)
+            for t in p.get("targets", [])]
+
+
+# ------------------------------------------------------------------- statsd-exporter mapping
+def _exporter_map(statsd_name: str, statsd_type: str, doc: dict):
+    """(index, metric name) of the rule prom/statsd-exporter applies, or (None, None).
+
+    Glob rules first (in file order; ``*`` is one whole dot-separated field), then regex rules
+    (unanchored search, like the exporter's FindStringSubmatchIndex)."""
+    defaults = doc.get("defaults") or {}
+    rules_ = list(enumerate(doc["mappings"]))
+
+    def kind_ok(m):
+        return m.get("match_metric_type") in (None, statsd_type)
+
+    def expand(template: str, groups) -> str:
+        return re.sub(r"\$\{?(\d+)\}?", lambda g: groups[int(g.group(1)) - 1] or "", template)
+
+    for i, m in rules_:
+        if m.get("match_type", defaults.get("match_type", "glob")) != "glob" or not kind_ok(m):
+            continue
+        pattern, fields = m["match"].split("."), statsd_name.split(".")
+        if len(pattern) == len(fields) and all(p in ("*", f) for p, f in zip(pattern, fields)):
+            caps = [f for p, f in zip(pattern, fields) if p == "*"]
+            return i, expand(m["name"], caps)
+    for i, m in rules_:
+        if m.get("match_type", defaults.get("match_type", "glob")) != "regex" or not kind_ok(m):
+            continue
+        hit = re.search(m["match"], statsd_name)
+        if hit:
+            return i, expand(m["name"], hit.groups())
+    return None, None
+
+
+STATSD_TYPE = {"counter": "counter", "gauge": "gauge", "timer": "observer"}
+
+
+def test_mapping_documents_the_airflow_settings():
+    header = "\n".join(line for line in MAPPING.read_text().splitlines()
+                       if line.lstrip().startswith("#"))
+    documented = dict(re.findall(r"AIRFLOW__METRICS__(\w+)=(\S*)", header))
+    for option, value in AIRFLOW_SETTINGS.items():
+        assert option in documented, f"AIRFLOW__METRICS__{option} is not documented"
+        if value is not None:
+            assert documented[option] == value, (option, documented[option])
+    # every documented option is a real [metrics] option of this Airflow
+    spec = importlib.util.find_spec("airflow")
+    config_yml = Path(next(iter(spec.submodule_search_locations))) / "config_templates" / "config.yml"
+    options = yaml.safe_load(config_yml.read_text())["metrics"]["options"]
+    unknown = {o for o in documented if o.lower() not in options}
+    assert not unknown, f"not options of [metrics] in {config_yml}: {unknown}"
+
+
+def test_every_emitted_metric_is_mapped_to_its_own_name(mapping, emitted):
+    problems = []
+    for name, e in sorted(emitted.items()):
+        index, produced = _exporter_map(f"{STATSD_PREFIX}.{name}", STATSD_TYPE[e.kind], mapping)
+        if index is None:
+            problems.append(f"{name} ({e.kind}, {sorted(e.sites)}): no mapping rule")
+            continue
+        rule = mapping["mappings"][index]
+        if rule.get("action", "map") != "map":
+            problems.append(f"{name}: rule {rule['match']} drops it")
+        if produced != name:
+            problems.append(f"{name}: mapped to {produced!r}")
+        if e.kind == "timer":
+            observer = rule.get("observer_type", (mapping.get("defaults") or {}).get("observer_type"))
+            buckets = (rule.get("histogram_options") or {}).get("buckets") or rule.get("buckets")
+            if observer != "histogram":
+                problems.append(f"{name}: timer is not a histogram (observer_type {observer})")
+            elif not buckets or list(buckets) != sorted(set(buckets)):
+                problems.append(f"{name}: histogram buckets missing or not ascending: {buckets}")
+            # the exporter turns StatsD ms into seconds: a name in ms must be scaled back
+            scale = rule.get("scale", 1)
+            if name.endswith("_ms") and scale != 1000:
+                problems.append(f"{name}: named in ms but scale is {scale} (seconds)")
+            if name.endswith("_seconds") and scale != 1:
+                problems.append(f"{name}: named in seconds but scale is {scale}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_mapping_rule_maps_an_emitted_metric(mapping, emitted):
+    used = {}
+    for name, e in emitted.items():
+        index, produced = _exporter_map(f"{STATSD_PREFIX}.{name}", STATSD_TYPE[e.kind], mapping)
+        if index is not None:
+            used.setdefault(index, set()).add(produced)
+    problems = []
+    for i, rule in enumerate(mapping["mappings"]):
+        where = f"mapping #{i} ({rule.get('match')})"
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*|.*\$.*", str(rule.get("name", ""))):
+            problems.append(f"{where}: invalid metric name {rule.get('name')!r}")
+        if not str(rule.get("match", "")).startswith(STATSD_PREFIX + ".") and \
+                rule.get("match_type") != "regex":
+            problems.append(f"{where}: does not match under the prefix {STATSD_PREFIX}.")
+        if i not in used:
+            problems.append(f"{where}: matches no metric the code emits")
+        elif not used[i] <= set(emitted):
+            problems.append(f"{where}: produces {sorted(used[i] - set(emitted))}, not emitted")
+        if seconds(rule.get("ttl", (mapping.get("defaults") or {}).get("ttl", 0))):
+            problems.append(f"{where}: a ttl expires the nightly gauges between runs")
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------- Prometheus config
+def test_prometheus_scrapes_the_exporter_and_loads_the_rules(prometheus):
+    targets = [t for job in prometheus.get("scrape_configs") or []
+               for sc in job.get("static_configs") or [] for t in sc.get("targets") or []]
+    assert SCRAPE_TARGET in targets, targets
+    rule_files = prometheus.get("rule_files") or []
+    assert PROM_MOUNT + ALERTS.name in rule_files, rule_files
+    for path in rule_files:
+        assert path.startswith(PROM_MOUNT), f"{path} is outside the mounted {PROM_MOUNT}"
+        local = PROM_DIR / path[len(PROM_MOUNT):]
+        assert local.is_file(), f"{path}: no {local.relative_to(REPO)} to mount"
+        assert yaml.safe_load(local.read_text()).get("groups"), f"{local} has no rule groups"
+
+
+# ------------------------------------------------------------------------------- alerts
+SEVERITIES = {"critical", "warning", "info"}
+RUNBOOK = "README.md#runbook"
+
+
+def test_every_alert_has_severity_summary_description_and_runbook(alerts):
+    problems = []
+    names = [a["alert"] for a in alerts]
+    problems += [f"duplicate alert name {n}" for n in sorted(set(names)) if names.count(n) > 1]
+    for a in alerts:
+        where = a.get("alert")
+        labels, ann = a.get("labels") or {}, a.get("annotations") or {}
+        if not str(a.get("expr", "")).strip():
+            problems.append(f"{where}: no expr")
+        if labels.get("severity") not in SEVERITIES:
+            problems.append(f"{where}: severity {labels.get('severity')!r} not in {SEVERITIES}")
+        for key in ("summary", "description"):
+            if not str(ann.get(key, "")).strip():
+                problems.append(f"{where}: no {key} annotation")
+        runbook = ann.get("runbook_url") or ann.get("runbook")
+        if not runbook or RUNBOOK not in runbook:
+            problems.append(f"{where}: runbook annotation {runbook!r} does not point at {RUNBOOK}")
+        try:
+            seconds(a.get("for"))
+        except AssertionError:
+            problems.append(f"{where}: bad for: {a.get('for')!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_alert_expressions_use_only_emitted_metrics_and_tags(rules, emitted):
+    problems = []
+    for r in rules:
+        problems += check_references(r.get("alert") or r.get("record"), r["expr"], emitted)
+    assert not problems, "\n".join(problems)
+
+
+NEWS = "news_comment_reconcile"
+CATALOG = "catalog_popularity_recompute"
+STALE_SECONDS = code_constant(PKG / "deadlines.py", "STALE_SECONDS")
+DRIFT_THRESHOLD = param_default(REPO / "dags" / f"{NEWS}.py", "drift_alert_threshold")
+DEADLINE_KINDS = tag_values(PKG / "deadlines.py", "alert")
+STALENESS_HOURS = 30
+BACKLOG_SECONDS = 2 * 86400
+
+
+def _compares(expr: str, lhs: str, value: float) -> bool:
+    """``lhs ... > N`` with N (a number or a product of numbers) equal to value."""
+    for m in re.finditer(re.escape(lhs) + r"[^<>]*?>\s*([\d.]+(?:\s*\*\s*[\d.]+)*)(?![\w.])", expr):
+        product = 1.0
+        for factor in re.split(r"\s*\*\s*", m.group(1)):
+            product *= float(factor)
+        if product == value:
+            return True
+    return False
+
+
+def _no_success(job):
+    metric = f"{job}_last_success_timestamp_seconds"
+    return lambda a, e: "time()" in e and _compares(e, metric, STALE_SECONDS)
+
+
+def _errors_grow(job):
+    return lambda a, e: re.search(rf"(?:rate|increase)\(\s*{job}_errors_total\b[^)]*\)\s*>\s*0\b", e)
+
+
+def _backlog(job):
+    metric = f"{job}_backlog_remaining"
+
+    def check(a, e):
+        if re.search(rf"\b{metric}\s*(?:==\s*1|>\s*0)\b", e):
+            return seconds(a.get("for")) >= BACKLOG_SECONDS
+        window = re.search(rf"min_over_time\(\s*{metric}\s*\[(\w+)\]\s*\)\s*(?:==\s*1|>\s*0)", e)
+        return bool(window) and seconds(window.group(1)) >= BACKLOG_SECONDS
+    return check
+
+
+def _deadline_misses(a, e):
+    return re.search(r"(?:rate|increase)\(\s*pin_nightly_deadline_missed_total\b[^)]*\)\s*>\s*0\b", e)
+
+
+SPEC_ALERTS = {
+    "news: drift above the threshold in a run": lambda a, e: _compares(
+        e, f"{NEWS}_last_run_drift_corrected", DRIFT_THRESHOLD),
+    "news: no successful run for more than 26 h": _no_success(NEWS),
+    "news: errors_total grows": _errors_grow(NEWS),
+    "news: backlog not draining for 2 days": _backlog(NEWS),
+    "catalog: no successful run for more than 26 h": _no_success(CATALOG),
+    "catalog: errors_total rate > 0, sustained": lambda a, e: seconds(a.get("for")) > 0 and re.search(
+        rf"\brate\(\s*{CATALOG}_errors_total\b[^)]*\)\s*>\s*0\b", e),
+    "catalog: score staleness above 30 h": lambda a, e: _compares(
+        e, "catalog_popularity_score_staleness_hours", STALENESS_HOURS),
+    "catalog: backlog not draining for 2 days": _backlog(CATALOG),
+    "both: deadline misses": _deadline_misses,
+}
+
+
+@pytest.mark.parametrize("spec", list(SPEC_ALERTS))
+def test_spec_alert_exists(spec, alerts):
+    matching = [a["alert"] for a in alerts if SPEC_ALERTS[spec](a, _norm(a["expr"]))]
+    assert matching, f"no alert in {ALERTS.relative_to(REPO)} for: {spec}"
+
+
+def test_deadline_alerts_cover_every_deadline_kind(alerts):
+    assert DEADLINE_KINDS, "no alert=... tag value found in deadlines.py"
+    covered: set[str] = set()
+    for a in alerts:
+        e = _norm(a["expr"])
+        if not _deadline_misses(a, e):
+            continue
+        kinds = set(re.findall(r'pin_nightly_deadline_missed_total\{[^}]*\balert="(\w+)"', e))
+        covered |= kinds or DEADLINE_KINDS  # no alert= matcher: every kind
+    assert covered >= DEADLINE_KINDS, f"deadline kinds without an alert: {DEADLINE_KINDS - covered}"
+
+
+# ---------------------------------------------------------------------------- dashboard
+def test_dashboard_uses_the_prometheus_datasource_variable(dashboard):
+    variables = {v.get("name"): v for v in (dashboard.get("templating") or {}).get("list", [])}
+    ds = variables.get("DS_PROMETHEUS")
+    assert ds and ds.get("type") == "datasource" and ds.get("query") == "prometheus", ds
+    problems = []
+    ids = [p.get("id") for p in dashboard_panels(dashboard)]
+    problems += [f"duplicate panel id {i}" for i in sorted(set(ids), key=str) if ids.count(i) > 1]
+    for p in dashboard_panels(dashboard):
+        if p.get("type") == "row":
+            continue
+        title = p.get("title")
+        if not p.get("targets"):
+            problems.append(f"panel {title!r}: no targets")
+        if not {"x", "y", "w", "h"} <= set(p.get("gridPos") or {}):
+            problems.append(f"panel {title!r}: no gridPos")
+        for obj in (p, *p.get("targets", [])):
+            uid = (obj.get("datasource") or {}).get("uid")
+            if uid != "${DS_PROMETHEUS}":
+                problems.append(f"panel {title!r}: datasource uid {uid!r}")
+        for t in p.get("targets", []):
+            if not str(t.get("expr", "")).strip():
+                problems.append(f"panel {title!r} target {t.get('refId')}: no expr")
+    assert not problems, "\n".join(problems)
+
+
+def test_dashboard_queries_use_only_emitted_metrics_and_tags(dashboard, emitted):
+    problems = []
+    for title, t in dashboard_targets(dashboard):
+        problems += check_references(f"panel {title!r} {t.get('refId')}", t.get("expr", ""),
+                                     emitted)
+    assert not problems, "\n".join(problems)
+
+
+def test_dashboard_shows_every_emitted_metric(dashboard, emitted):
+    series = exposed_series(emitted)
+    shown = {series[m] for _, t in dashboard_targets(dashboard)
+             for m in parse_promql(t.get("expr", "")).metrics if m in series}
+    missing = set(emitted) - shown
+    assert not missing, f"emitted but on no dashboard panel: {sorted(missing)}"
