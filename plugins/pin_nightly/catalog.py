@@ -54,6 +54,14 @@ DEFAULTS: dict[str, Any] = {
     "dry_run": False,
     "max_ranges": 8,
 }
+# Upper bounds: larger values overflow PostgreSQL's dates/timestamps/bigints half-way through
+# a run instead of failing here.
+MAXIMA: dict[str, int] = {
+    "window_days": 3660,
+    "batch_size": 100_000,
+    "max_run_duration_minutes": 7 * 24 * 60,
+    "lock_ttl_minutes": 14 * 24 * 60,
+}
 
 
 def card_sql(name: str, kind: str) -> str:
@@ -72,6 +80,10 @@ def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[st
         v = p[name]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             errors.append(f"{name} must be a number > 0, got {v!r}")
+    for name, maximum in MAXIMA.items():
+        v = p[name]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > maximum:
+            errors.append(f"{name} must be at most {maximum}, got {v!r}")
     if not isinstance(p["dry_run"], bool):
         errors.append(f"dry_run must be true or false, got {p['dry_run']!r}")
     card_ids = parse_uuids("card_ids", p["card_ids"], errors)
@@ -153,14 +165,14 @@ def make_batch(kind: str, opts: dict[str, Any]):
         out = {"snapshots_written": 0, "cards_updated": 0, "overflow_ids": []}
         if len(locked) > len(poison):
             if opts["dry_run"]:
-                cur.execute("SAVEPOINT pin_dry_run")
+                cur.execute(sql("common/savepoint"))
             cur.execute(apply_sql, {
                 "ids": [r["id"] for r in locked], "views": [r["views"] for r in locked],
                 "kind": kind, "as_of": opts["as_of_date"], "window_days": opts["window_days"],
                 "half_life": opts["half_life_days"]})
             out = fetch_one_dict(cur)
             if opts["dry_run"]:
-                cur.execute("ROLLBACK TO SAVEPOINT pin_dry_run")
+                cur.execute(sql("common/rollback_to_savepoint"))
         for card_id in out["overflow_ids"]:
             log.error("item failed: card_kind=%s card_id=%s: score does not fit numeric(12,4) "
                       "(> %s); score not written", kind, card_id, MAX_SCORE)

@@ -124,7 +124,7 @@ def sqlstate(exc: BaseException) -> str | None:
 def ensure_schema(conn, probe: str, ddl_name: str) -> bool:
     """Apply ``include/sql/<ddl_name>.sql`` when relation ``probe`` is absent. True if applied."""
     with transaction(conn) as cur:
-        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (probe,))
+        cur.execute(sql("common/relation_exists"), {"relation": probe})
         if cur.fetchone()[0]:
             return False
         log.info("creating job-owned tables from include/sql/%s.sql", ddl_name)
@@ -136,11 +136,7 @@ def check_columns(conn, table: str, columns: list[str]) -> None:
     """Fail with a clear message if a domain table or one of its columns is missing."""
     schema, name = table.split(".")
     with transaction(conn) as cur:
-        cur.execute(
-            "SELECT column_name FROM information_schema.columns "
-            "WHERE table_schema = %s AND table_name = %s",
-            (schema, name),
-        )
+        cur.execute(sql("common/table_columns"), {"schema": schema, "table": name})
         present = {r[0] for r in cur.fetchall()}
     if not present:
         raise JobConfigError(f"domain table {table} does not exist (or is not readable)")
@@ -152,9 +148,6 @@ def check_columns(conn, table: str, columns: list[str]) -> None:
 def has_index_on(conn, table: str, expression_fragment: str) -> bool:
     """Whether some index of ``table`` has ``expression_fragment`` in its definition."""
     with transaction(conn) as cur:
-        cur.execute(
-            "SELECT count(*) FROM pg_indexes WHERE schemaname || '.' || tablename = %s "
-            "AND indexdef ILIKE %s",
-            (table, f"%{expression_fragment}%"),
-        )
+        cur.execute(sql("common/index_count"),
+                    {"table": table, "pattern": f"%{expression_fragment}%"})
         return cur.fetchone()[0] > 0

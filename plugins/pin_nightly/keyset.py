@@ -46,18 +46,14 @@ def range_label(rng: dict[str, Any]) -> str:
 def boundaries(cur, source_sql: str, params: dict[str, Any], batch_size: int,
                max_ranges: int) -> tuple[int, list[str]]:
     """Row count of the keyset source and the inner range boundaries (ids) splitting it evenly."""
-    cur.execute(f"SELECT count(*) FROM ({source_sql}) AS src", params)
+    cur.execute(sql("common/keyset_count").replace("{source}", source_sql), params)
     total = int(cur.fetchone()[0])
     n_ranges = max(1, min(max_ranges, math.ceil(total / max(batch_size, 1))))
     if n_ranges == 1:
         return total, []
     step = math.ceil(total / n_ranges)
-    cur.execute(
-        "SELECT id::text FROM (SELECT id, row_number() OVER (ORDER BY id) AS rn "
-        f"FROM ({source_sql}) AS src) AS numbered "
-        "WHERE rn %% %(pin_step)s = 0 AND rn < %(pin_total)s ORDER BY id",
-        {**params, "pin_step": step, "pin_total": total},
-    )
+    cur.execute(sql("common/keyset_boundaries").replace("{source}", source_sql),
+                {**params, "pin_step": step, "pin_total": total})
     return total, [r[0] for r in cur.fetchall()]
 
 
@@ -260,7 +256,7 @@ def _retry_skipped(conn, key, lease, batch: BatchFn, skipped: list[str], timeout
             with transaction(conn) as cur:
                 if leases.fence(cur, lease)[0]:
                     break
-                cur.execute(f"SET LOCAL lock_timeout = {int(timeout_ms)}")
+                cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
                 b = batch(cur, None, None, 1, [row_id])
                 cur.execute(sql("common/range_retried"), {
                     **key, "processed": b.processed, "changed": b.changed,

@@ -7,6 +7,7 @@ correct only the drifted posts and record each correction; advance the range cur
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -57,6 +58,14 @@ DEFAULTS: dict[str, Any] = {
     "dry_run": False,
     "max_ranges": 8,
 }
+# Upper bounds: larger values overflow PostgreSQL's timestamps/bigints or Python's datetimes
+# half-way through a run instead of failing here.
+MAXIMA: dict[str, int] = {
+    "batch_size": 100_000,
+    "window_lookback_hours": 366 * 24,
+    "max_run_duration_minutes": 7 * 24 * 60,
+    "lock_ttl_minutes": 14 * 24 * 60,
+}
 
 
 def _is_number(v: Any) -> bool:
@@ -91,6 +100,9 @@ def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[st
     for name in ("window_lookback_hours", "max_run_duration_minutes", "lock_ttl_minutes"):
         if not _is_number(p[name]) or p[name] <= 0:
             errors.append(f"{name} must be a number > 0, got {p[name]!r}")
+    for name, maximum in MAXIMA.items():
+        if _is_number(p[name]) and p[name] > maximum:
+            errors.append(f"{name} must be at most {maximum}, got {p[name]!r}")
     if not isinstance(p["dry_run"], bool):
         errors.append(f"dry_run must be true or false, got {p['dry_run']!r}")
     if not isinstance(p["full_sweep_cron"], str) or not croniter.is_valid(p["full_sweep_cron"]):
@@ -156,9 +168,9 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
                         {"sweep_id": sweep["sweep_id"], "cutoff": cutoff})
             log.info("DailyWindow: %d candidate posts with comment activity since %s",
                      cur.rowcount, cutoff.isoformat())
-            cur.execute("UPDATE pin_nightly.sweep SET params = params || %s::jsonb "
-                        "WHERE sweep_id = %s",
-                        (f'{{"cutoff": "{cutoff.isoformat()}"}}', sweep["sweep_id"]))
+            cur.execute(sql("common/sweep_set_params"),
+                        {"sweep_id": sweep["sweep_id"],
+                         "params": json.dumps({"cutoff": cutoff.isoformat()})})
         elif scope == "Targeted":
             cur.execute(sql("news/targeted_candidates"),
                         {"sweep_id": sweep["sweep_id"], "post_ids": opts["post_ids"]})
@@ -171,8 +183,11 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
     with connection(JOB.conn_id) as conn:
         sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan, prepare)
     ranges = keyset.range_descriptors(sweep, scope)
-    log.info("job started: run=%s scope=%s sweep=%s ranges=%d dry_run=%s",
-             ident["run_id"], scope, sweep["sweep_id"], len(ranges), opts["dry_run"])
+    cursors = {r["range_no"]: r["cursor_id"] or "start" for r in sweep["ranges"]
+               if r["status"] != "done"}
+    log.info("job started: run=%s scope=%s batch_size=%s sweep=%s%s ranges=%d cursors=%s "
+             "dry_run=%s", ident["run_id"], scope, opts["batch_size"], sweep["sweep_id"],
+             " (resumed)" if sweep["adopted"] else "", len(ranges), cursors, opts["dry_run"])
     return ranges
 
 

@@ -1,0 +1,1 @@
+SELECT to_regclass(%(relation)s) IS NOT NULL

@@ -1,0 +1,1 @@
+SAVEPOINT pin_dry_run
