@@ -185,8 +185,10 @@ def test_dry_run_writes_nothing(catalog_db):
     catalog_db.seed_snapshot(a, D - timedelta(days=1), 5)
     catalog_db.seed_snapshot(a, D - timedelta(days=45), 1)
     s = assert_ok(run({"dry_run": True}))
-    assert s["property_object_cards_updated"] == 1 and s["snapshots_written"] == 1
-    assert s["snapshots_pruned"] == 1
+    assert s["dry_run_report"] == {"property_object_cards_updated": 1,
+                                   "project_cards_updated": 0, "snapshots_written": 1,
+                                   "snapshots_pruned": 1}
+    assert s["property_object_cards_updated"] == s["snapshots_written"] == 0
     assert catalog_db.score(a) == 0
     assert len(catalog_db.snapshots(a)) == 2
 

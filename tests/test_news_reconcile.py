@@ -197,7 +197,7 @@ def test_dry_run_finds_drift_and_writes_nothing(news_db):
     news_db.posts(10, drift_every=2)
     before = news_db.snapshot()
     s = assert_ok(run({**FULL, "dry_run": True}))
-    assert s["drift_corrected"] == 5 and s["dry_run"] is True
+    assert s["drift_found"] == 5 and s["drift_corrected"] == 0 and s["dry_run"] is True
     assert news_db.snapshot() == before
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift WHERE dry_run") == 5
     # a dry run is not a checkpoint: the real run that follows sweeps everything

@@ -83,7 +83,7 @@ def news_demo() -> list[dict]:
     say("\nnews_comment_reconcile runs (through Airflow, dag.test):")
     say(table(runs, [("run", "run"), ("state", "state"), ("scope", "scope"),
                      ("dry", "dry_run"), ("reconciled", "posts_reconciled"),
-                     ("drift fixed", "drift_corrected"), ("batches", "batches_processed"),
+                     ("drift found", "drift_found"), ("drift fixed", "drift_corrected"), ("batches", "batches_processed"),
                      ("skipped locked", "posts_skipped_locked"),
                      ("backlog", "backlog_remaining"), ("job ms", "duration_ms"),
                      ("wall s", "wall_s")]))

@@ -64,6 +64,11 @@ MAXIMA: dict[str, int] = {
 }
 
 
+# In a dry run these stay 0 in the result; dry_run_report holds what the run would have done.
+DRY_RUN_FIELDS = ("property_object_cards_updated", "project_cards_updated", "snapshots_written",
+                  "snapshots_pruned")
+
+
 def card_sql(name: str, kind: str) -> str:
     return sql(f"catalog/{name}").replace("{cards}", KINDS[kind])
 
@@ -237,9 +242,7 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
         if lease is None:
             result["status"] = LOCK_HELD
         else:
-            totals = keyset.run_totals(conn, JOB.code, ident["run_id"])
-            keyset.close_sweeps(conn, [t["sweep_id"] for t in totals])
-            for t in keyset.run_totals(conn, JOB.code, ident["run_id"]):
+            for t in keyset.finish_run(conn, JOB.code, ident["run_id"]):
                 p = prefix[t["scope"].split("@")[0]]
                 result[f"{p}_updated"] += t["rows_changed"]
                 result[f"{p}_processed"] += t["rows_processed"]
@@ -257,6 +260,9 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
                 result["status"] = "backlog_remaining"
             result["score_staleness_hours"] = round(float(stale), 3) if stale is not None else None
             result["duration_ms"] = elapsed_ms(lease)
+            if opts["dry_run"]:  # nothing was written: report what would have been
+                result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
+                result.update({k: 0 for k in DRY_RUN_FIELDS})
         keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
                              lease.acquired_at if lease else None)
     log.info("run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "

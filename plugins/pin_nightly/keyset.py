@@ -280,10 +280,16 @@ def run_totals(conn, job: str, run_id: str) -> list[dict[str, Any]]:
         return fetch_dicts(cur)
 
 
-def close_sweeps(conn, sweep_ids: list[int]) -> None:
+def finish_run(conn, job: str, run_id: str) -> list[dict[str, Any]]:
+    """What the run did, per sweep; sweeps whose ranges are all done are closed."""
+    totals = run_totals(conn, job, run_id)
     with transaction(conn) as cur:
-        for sid in sweep_ids:
-            cur.execute(sql("common/sweep_close_if_done"), {"sweep_id": sid})
+        for t in totals:
+            if t["sweep_status"] == "open":
+                cur.execute(sql("common/sweep_close_if_done"), {"sweep_id": t["sweep_id"]})
+                if cur.fetchone() is not None:
+                    t["sweep_status"] = "done"
+    return totals
 
 
 def write_run_log(conn, job: str, run_id: str, status: str, result: dict[str, Any],

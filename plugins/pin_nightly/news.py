@@ -238,7 +238,7 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
         "status": "success", "scope": opts["effective_scope"], "dry_run": opts["dry_run"],
-        "posts_reconciled": 0, "drift_corrected": 0, "batches_processed": 0,
+        "posts_reconciled": 0, "drift_corrected": 0, "drift_found": 0, "batches_processed": 0,
         "last_post_id": None, "backlog_remaining": False, "duration_ms": 0,
         "posts_skipped_locked": 0, "sweep_id": None, "run_id": ident["run_id"],
     }
@@ -247,24 +247,25 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
         else:
-            totals = keyset.run_totals(conn, JOB.code, ident["run_id"])
-            keyset.close_sweeps(conn, [t["sweep_id"] for t in totals])
-            for t in keyset.run_totals(conn, JOB.code, ident["run_id"]):
+            for t in keyset.finish_run(conn, JOB.code, ident["run_id"]):
                 result["sweep_id"] = t["sweep_id"]
                 result["posts_reconciled"] += t["rows_processed"]
-                result["drift_corrected"] += t["rows_changed"]
+                result["drift_found"] += t["rows_changed"]
                 result["batches_processed"] += t["batches"]
                 result["posts_skipped_locked"] += t["skipped_locked"]
                 result["backlog_remaining"] |= t["sweep_status"] == "open"
                 result["last_post_id"] = max(filter(None, [result["last_post_id"],
                                                            t["last_id"]]), default=None)
+            # a dry run finds drift and corrects none
+            result["drift_corrected"] = 0 if opts["dry_run"] else result["drift_found"]
             result["duration_ms"] = elapsed_ms(lease)
             if result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
         keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
                              lease.acquired_at if lease else None)
     log.info("job completed: posts_reconciled=%(posts_reconciled)s "
-             "drift_corrected=%(drift_corrected)s batches=%(batches_processed)s "
+             "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
+             "batches=%(batches_processed)s "
              "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
              "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s",
              result)
