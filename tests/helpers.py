@@ -129,3 +129,97 @@ class CatalogDB(NewsDB):
         self.conn.execute(
             "INSERT INTO catalog.popularity_daily_views (card_kind, card_id, run_date, "
             "cumulative_views) VALUES (%s, %s, %s, %s)", (kind, cid, run_date, views))
+
+
+# --- reliability and security tests --------------------------------------------------------
+
+def bulk_posts(db: NewsDB, n: int, rnd: random.Random, drift_share: float = 0.0,
+               max_visible: int = 4) -> tuple[list[str], dict[str, int]]:
+    """n Published posts with 0..max_visible visible (and some hidden/deleted) comments, loaded
+    with COPY; a share of them drifted by a non-zero offset. Returns (ids, {post: offset})."""
+    from tools.demodata import copy_rows
+
+    posts, comments, drift = [], [], {}
+    at = datetime.now(timezone.utc) - timedelta(days=10)
+    for _ in range(n):
+        pid = new_id()
+        visible = rnd.randint(0, max_visible)
+        for st, k in (("Visible", visible), ("HiddenByModerator", rnd.randint(0, 1)),
+                      ("DeletedByAuthor", rnd.randint(0, 1))):
+            comments.extend((new_id(), pid, st, at, at) for _ in range(k))
+        offset = 0
+        if rnd.random() < drift_share:
+            offset = rnd.choice((-2, -1, 1, 2, 3, 5))
+            drift[pid] = offset
+        posts.append((pid, "Published", visible + offset, datetime(2026, 1, 1, tzinfo=timezone.utc)))
+    with psycopg.connect(db.dsn) as conn:
+        copy_rows(conn, "news.posts", ("id", "status", "comments_count", "updated_at"), posts)
+        copy_rows(conn, "news.comments", ("id", "post_id", "status", "created_at", "updated_at"),
+                  comments)
+        conn.execute("ANALYZE news.posts")
+        conn.execute("ANALYZE news.comments")
+    return [p[0] for p in posts], drift
+
+
+def post_offsets(db: NewsDB) -> dict[str, int]:
+    """comments_count minus the visible comments, for every post (0 = correct)."""
+    return dict(db.q(
+        "SELECT p.id::text, p.comments_count - (SELECT count(*) FROM news.comments c "
+        "WHERE c.post_id = p.id AND c.status = 'Visible') FROM news.posts p"))
+
+
+def reference_popularity_score(snaps: dict, d, w: int, h: float):
+    """score(D) = round(sum over snapshots in (D-W, D] of max(0, S_k - S_prev) * 2^(-(D-k)/H), 4),
+    S_prev the newest earlier snapshot with run_date >= D - W (none: a baseline, delta 0);
+    computed in Python with 40-digit decimals, independently of the job's SQL."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 40
+        window = sorted((k, v) for k, v in snaps.items() if d - timedelta(days=w) <= k <= d)
+        total = Decimal(0)
+        for i, (k, v) in enumerate(window):
+            if i == 0:
+                continue
+            age = (d - k).days
+            total += Decimal(max(0, v - window[i - 1][1])) * \
+                Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
+        return total.quantize(Decimal("0.0001"))
+
+
+ADVISORY_KEY = 7_404_242
+
+
+def install_gate(db: NewsDB, table: str, post_id: str, key: int = ADVISORY_KEY) -> None:
+    """A BEFORE UPDATE trigger on ``table`` that, for row ``post_id``, waits for the advisory
+    lock ``key``: whoever holds that lock keeps the writer's batch in flight."""
+    db.q("CREATE OR REPLACE FUNCTION public.pin_test_gate() RETURNS trigger LANGUAGE plpgsql AS "
+         f"$$ BEGIN IF NEW.id = '{post_id}'::uuid THEN PERFORM pg_advisory_xact_lock({int(key)}); "
+         "END IF; RETURN NEW; END $$")
+    db.q(f"CREATE TRIGGER pin_test_gate BEFORE UPDATE ON {table} FOR EACH ROW "
+         "EXECUTE FUNCTION public.pin_test_gate()")
+
+
+def remove_gate(db: NewsDB, table: str) -> None:
+    db.q(f"DROP TRIGGER IF EXISTS pin_test_gate ON {table}")
+
+
+def gate_waiter(db: NewsDB, key: int = ADVISORY_KEY) -> int | None:
+    """Pid of a backend waiting for the advisory lock ``key`` (a batch held at the gate)."""
+    rows = db.q("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND objid = %s AND database = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database())", key)
+    return rows[0][0] if rows else None
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30, poll: float = 0.02,
+             what: str = "condition") -> Any:
+    """Poll until ``condition()`` is truthy; return its value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)

@@ -128,7 +128,14 @@ def ensure_schema(conn, probe: str, ddl_name: str) -> bool:
         if cur.fetchone()[0]:
             return False
         log.info("creating job-owned tables from include/sql/%s.sql", ddl_name)
-        cur.execute(sql(ddl_name))
+        try:
+            cur.execute(sql(ddl_name))
+        except Exception as exc:
+            if sqlstate(exc) != "42501":  # insufficient_privilege: a least-privilege job role
+                raise
+            raise JobConfigError(
+                f"job-owned table {probe} does not exist and this role may not create it: a DBA "
+                f"applies include/sql/{ddl_name}.sql, then include/sql/schema/roles.sql") from exc
     return True
 
 

@@ -1,0 +1,110 @@
+-- Least-privilege roles of the pin-nightly jobs: pin_news_job (news_comment_reconcile) and
+-- pin_catalog_job (catalog_popularity_recompute).
+--
+-- Who applies it: a DBA (the owner of the tables, or a role allowed to grant on them), as the
+-- last step of every migration of these schemas, in each database:
+--   news database:     pin_nightly.sql, then this file
+--   catalog database:  pin_nightly.sql, catalog_popularity.sql, then this file
+-- Each section runs only where its domain schema exists, so the same file serves the news
+-- database, the catalog database, or one database holding both. It is idempotent: it revokes
+-- what the job roles hold on these objects and grants exactly the list below again.
+--
+-- The job-owned tables (schema pin_nightly, catalog.popularity_daily_views) are created by the
+-- DBA with the files above; the job roles cannot create anything. At start a run only checks
+-- that they exist (pin_nightly.db.ensure_schema) and fails with the name of the file to apply
+-- when they do not.
+--
+-- pin_news_job and pin_catalog_job are NOLOGIN group roles that hold the privileges. The DBA
+-- creates one LOGIN user per job and deployment, member of its group role, with a password that
+-- never enters this repository, e.g. in psql (the password read from a secret file):
+--   \set pw `cat /run/secrets/pin_news_job_password`
+--   CREATE ROLE pin_news_job_login LOGIN PASSWORD :'pw' IN ROLE pin_news_job;
+-- and puts that user and password into the Airflow connection news_db (catalog_db for
+-- pin_catalog_job) through the secrets backend. Recommended on the login user (settings of a
+-- group role are not inherited), so that a worker killed or hung in the middle of a batch does
+-- not keep the batch's row locks (and the lease row) for long:
+--   ALTER ROLE pin_news_job_login SET client_connection_check_interval = '10s';
+--   ALTER ROLE pin_news_job_login SET idle_in_transaction_session_timeout = '5min';
+-- (a backend blocked in a statement notices a vanished client only with the first setting;
+-- the second ends a transaction left open between statements by a hung client).
+--
+-- Not granted on purpose: UPDATE of any other column of the domain tables (status, texts,
+-- popularity_views), INSERT/DELETE/TRUNCATE on them, anything on news.comments but SELECT,
+-- CREATE on any schema or on the database, ownership of anything.
+-- Note: SELECT ... FOR UPDATE needs UPDATE on at least one column of the table: the column
+-- grants below are what lets a batch lock its posts or cards.
+
+DO $roles$
+BEGIN
+    BEGIN
+        CREATE ROLE pin_news_job NOLOGIN;
+    EXCEPTION WHEN duplicate_object OR unique_violation THEN
+        NULL;  -- exists (or is being created by a concurrent session)
+    END;
+    BEGIN
+        CREATE ROLE pin_catalog_job NOLOGIN;
+    EXCEPTION WHEN duplicate_object OR unique_violation THEN
+        NULL;
+    END;
+END
+$roles$;
+
+DO $grants$
+DECLARE
+    job text;
+BEGIN
+    -- shared job state (lease, sweeps and range cursors, run log): whichever job lives here
+    FOREACH job IN ARRAY ARRAY['pin_news_job', 'pin_catalog_job'] LOOP
+        IF (job = 'pin_news_job' AND to_regnamespace('news') IS NULL)
+           OR (job = 'pin_catalog_job' AND to_regnamespace('catalog') IS NULL) THEN
+            CONTINUE;
+        END IF;
+        IF to_regclass('pin_nightly.news_skipped_post') IS NULL THEN
+            RAISE EXCEPTION 'schema pin_nightly is missing: apply include/sql/schema/pin_nightly.sql first';
+        END IF;
+        EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), job);
+        EXECUTE format('REVOKE ALL ON ALL TABLES IN SCHEMA pin_nightly FROM %I', job);
+        EXECUTE format('REVOKE ALL ON ALL SEQUENCES IN SCHEMA pin_nightly FROM %I', job);
+        EXECUTE format('REVOKE ALL ON SCHEMA pin_nightly FROM %I', job);
+        EXECUTE format('GRANT USAGE ON SCHEMA pin_nightly TO %I', job);
+        -- lease: acquire (upsert), fence (SELECT ... FOR SHARE), renew, release (DELETE)
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.job_lease TO %I', job);
+        -- sweeps, range cursors, run log: created, advanced, closed; never deleted by the job
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE ON pin_nightly.sweep, pin_nightly.sweep_range, '
+                       'pin_nightly.run_log TO %I', job);
+        -- fencing tokens and sweep ids
+        EXECUTE format('GRANT USAGE ON SEQUENCE pin_nightly.lease_token_seq, '
+                       'pin_nightly.sweep_sweep_id_seq TO %I', job);
+    END LOOP;
+
+    IF to_regnamespace('news') IS NOT NULL THEN
+        REVOKE ALL ON SCHEMA news FROM pin_news_job;
+        REVOKE ALL ON news.posts, news.comments FROM pin_news_job;
+        GRANT USAGE ON SCHEMA news TO pin_news_job;
+        GRANT SELECT ON news.posts, news.comments TO pin_news_job;
+        -- the only columns the job writes (and what lets it lock posts FOR UPDATE)
+        GRANT UPDATE (comments_count, updated_at) ON news.posts TO pin_news_job;
+        -- news-only job state
+        GRANT SELECT, INSERT ON pin_nightly.news_drift, pin_nightly.news_window_candidate
+            TO pin_news_job;
+        GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.news_skipped_post TO pin_news_job;
+    END IF;
+
+    IF to_regnamespace('catalog') IS NOT NULL THEN
+        IF to_regclass('catalog.popularity_daily_views') IS NULL THEN
+            RAISE EXCEPTION 'catalog.popularity_daily_views is missing: apply '
+                            'include/sql/schema/catalog_popularity.sql first';
+        END IF;
+        REVOKE ALL ON SCHEMA catalog FROM pin_catalog_job;
+        REVOKE ALL ON catalog.property_object_cards, catalog.project_cards,
+                      catalog.popularity_daily_views FROM pin_catalog_job;
+        GRANT USAGE ON SCHEMA catalog TO pin_catalog_job;
+        GRANT SELECT ON catalog.property_object_cards, catalog.project_cards TO pin_catalog_job;
+        -- the only columns the job writes (and what lets it lock cards FOR UPDATE)
+        GRANT UPDATE (popularity_score, updated_at)
+            ON catalog.property_object_cards, catalog.project_cards TO pin_catalog_job;
+        -- the job's own snapshots: upsert, window reads, retention
+        GRANT SELECT, INSERT, UPDATE, DELETE ON catalog.popularity_daily_views TO pin_catalog_job;
+    END IF;
+END
+$grants$;

@@ -1,0 +1,456 @@
+"""Least privilege and hygiene.
+
+- Both DAGs run to a correct result as login users that hold only the roles of
+  include/sql/schema/roles.sql, and those users cannot do what the jobs must not do.
+- No credentials in the repository; no SQL built from values on the Python side.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from tools.devenv import REPO, admin_dsn, airflow_connection, run_sql_file
+from tools.rundag import run_dag
+
+D = date(2026, 11, 30)
+SUFFIX = re.sub(r"\W", "_", os.environ.get("PIN_TEST_ID", "")).lower()
+INSUFFICIENT_PRIVILEGE = "42501"
+
+
+def night(d: date) -> datetime:
+    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=timezone.utc)
+
+
+def assert_ok(r):
+    assert r["state"] == "success", r["tasks"]
+    return r["summary"]
+
+
+def _login_role(group: str) -> str:
+    """A LOGIN user member of ``group`` (cluster-wide: named per test session)."""
+    login = f"{group}_login{SUFFIX}"
+    with psycopg.connect(admin_dsn(), autocommit=True) as conn:
+        conn.execute(f'DROP ROLE IF EXISTS "{login}"')
+        # trust authentication on the embedded server's socket: no password is needed (and
+        # none is written anywhere); a real deployment sets one, see roles.sql
+        conn.execute(f'CREATE ROLE "{login}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE '
+                     f'IN ROLE {group}')
+    return login
+
+
+def _drop_role(login: str) -> None:
+    with psycopg.connect(admin_dsn(), autocommit=True) as conn:
+        conn.execute(f'DROP ROLE IF EXISTS "{login}"')
+
+
+def _setup_as_dba(dsn: str, *ddl: str) -> None:
+    for f in ("schema/pin_nightly.sql", *ddl, "schema/roles.sql"):
+        run_sql_file(dsn, f)
+
+
+def _denied(conn, statement: str, *params) -> None:
+    """``statement`` fails with insufficient_privilege (and changes nothing)."""
+    try:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(statement, params or None)
+    finally:
+        conn.rollback()
+
+
+def _allowed(conn, statement: str, *params) -> None:
+    try:
+        conn.execute(statement, params or None)
+    finally:
+        conn.rollback()
+
+
+def _grants(dsn: str, role: str) -> dict[str, str]:
+    """Every privilege ``role`` holds on a table, sequence, column or schema of this database."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT n.nspname || '.' || c.relname, a.privilege_type "
+            "  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace, "
+            "       aclexplode(c.relacl) a WHERE a.grantee = %(r)s::regrole "
+            "UNION ALL "
+            "SELECT n.nspname || '.' || c.relname || '.' || t.attname, a.privilege_type "
+            "  FROM pg_attribute t JOIN pg_class c ON c.oid = t.attrelid "
+            "  JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(t.attacl) a "
+            " WHERE a.grantee = %(r)s::regrole "
+            "UNION ALL "
+            "SELECT n.nspname, a.privilege_type FROM pg_namespace n, aclexplode(n.nspacl) a "
+            " WHERE a.grantee = %(r)s::regrole", {"r": role}).fetchall()
+    out: dict[str, list[str]] = {}
+    for obj, priv in rows:
+        out.setdefault(obj, []).append(priv)
+    return {k: ",".join(sorted(v)) for k, v in out.items()}
+
+
+JOB_STATE = {
+    "pin_nightly": "USAGE",
+    "pin_nightly.job_lease": "DELETE,INSERT,SELECT,UPDATE",
+    "pin_nightly.sweep": "INSERT,SELECT,UPDATE",
+    "pin_nightly.sweep_range": "INSERT,SELECT,UPDATE",
+    "pin_nightly.run_log": "INSERT,SELECT,UPDATE",
+    "pin_nightly.lease_token_seq": "USAGE",
+    "pin_nightly.sweep_sweep_id_seq": "USAGE",
+}
+
+
+@pytest.fixture
+def news_job(news_db, monkeypatch):
+    """news_db as the DBA leaves it (job tables + roles.sql) and the job's connection as a
+    login user holding only pin_news_job."""
+    _setup_as_dba(news_db.dsn)
+    login = _login_role("pin_news_job")
+    dsn = make_conninfo(news_db.dsn, user=login)
+    monkeypatch.setenv("AIRFLOW_CONN_NEWS_DB", airflow_connection(dsn))
+    yield news_db, dsn
+    _drop_role(login)
+
+
+@pytest.fixture
+def catalog_job(catalog_db, monkeypatch):
+    _setup_as_dba(catalog_db.dsn, "schema/catalog_popularity.sql")
+    login = _login_role("pin_catalog_job")
+    dsn = make_conninfo(catalog_db.dsn, user=login)
+    monkeypatch.setenv("AIRFLOW_CONN_CATALOG_DB", airflow_connection(dsn))
+    yield catalog_db, dsn
+    _drop_role(login)
+
+
+def test_news_role_holds_exactly_the_minimal_grants(news_job):
+    db, dsn = news_job
+    assert _grants(db.dsn, "pin_news_job") == {
+        **JOB_STATE,
+        "news": "USAGE",
+        "news.posts": "SELECT",
+        "news.comments": "SELECT",
+        "news.posts.comments_count": "UPDATE",
+        "news.posts.updated_at": "UPDATE",
+        "pin_nightly.news_drift": "INSERT,SELECT",
+        "pin_nightly.news_window_candidate": "INSERT,SELECT",
+        "pin_nightly.news_skipped_post": "DELETE,INSERT,SELECT,UPDATE",
+    }
+    assert db.q("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'pin_news_job'") == [(False,)]
+    # roles.sql is idempotent: applied again, the same grants
+    run_sql_file(db.dsn, "schema/roles.sql")
+    assert len(_grants(db.dsn, "pin_news_job")) == 15
+
+
+def test_news_dag_runs_as_the_job_role_and_the_role_cannot_do_more(news_job):
+    db, dsn = news_job
+    drifted = db.post(count=5, visible=3)
+    right = db.post(count=2, visible=2)
+    locked = db.post(count=9, visible=1)
+    # the hot path holds one post: the run records it as skipped (news_skipped_post) ...
+    hot_path = psycopg.connect(db.dsn)
+    hot_path.execute("SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE", (locked,))
+    try:
+        s = assert_ok(run_dag("news_comment_reconcile", {"scope": "FullSweep"}))
+    finally:
+        hot_path.rollback()
+        hot_path.close()
+    assert (db.count(drifted), db.count(right), db.count(locked)) == (3, 2, 9)
+    assert s["drift_corrected"] == 1 and s["posts_skipped_locked"] == 1
+    # ... and the next DailyWindow takes it (window candidates, skipped-post cleanup)
+    s = assert_ok(run_dag("news_comment_reconcile", {"scope": "DailyWindow"}))
+    assert db.count(locked) == 1 and s["drift_corrected"] == 1
+    # the run really was the job role's
+    assert db.one("SELECT count(*) FROM pin_nightly.sweep") == 2
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT current_user").fetchone()[0].startswith("pin_news_job_login")
+        assert not conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+                                ).fetchone()[0]
+        _allowed(conn, "UPDATE news.posts SET comments_count = comments_count, "
+                       "updated_at = updated_at WHERE id = %s", right)
+        _allowed(conn, "SELECT id FROM news.posts FOR UPDATE")
+        _denied(conn, "UPDATE news.posts SET status = 'Archived' WHERE id = %s", right)
+        _denied(conn, "UPDATE news.posts SET id = id WHERE id = %s", right)
+        _denied(conn, "INSERT INTO news.posts (id, status) VALUES (gen_random_uuid(), 'x')")
+        _denied(conn, "DELETE FROM news.posts")
+        _denied(conn, "TRUNCATE news.posts")
+        _denied(conn, "UPDATE news.comments SET status = 'Visible'")
+        _denied(conn, "DELETE FROM news.comments")
+        _denied(conn, "SELECT id FROM news.comments FOR UPDATE")  # FOR UPDATE needs UPDATE
+        _denied(conn, "ALTER TABLE news.posts ADD COLUMN x int")
+        _denied(conn, "CREATE TABLE pin_nightly.x (id int)")
+        _denied(conn, "CREATE SCHEMA pin_x")
+        _denied(conn, "DROP TABLE pin_nightly.job_lease")
+        _denied(conn, "DELETE FROM pin_nightly.sweep")
+        _denied(conn, "DELETE FROM pin_nightly.news_drift")
+    assert db.count(right) == 2 and db.one("SELECT count(*) FROM news.comments") == 6
+
+
+def test_catalog_role_holds_exactly_the_minimal_grants(catalog_job):
+    db, dsn = catalog_job
+    assert _grants(db.dsn, "pin_catalog_job") == {
+        **JOB_STATE,
+        "catalog": "USAGE",
+        "catalog.property_object_cards": "SELECT",
+        "catalog.project_cards": "SELECT",
+        "catalog.property_object_cards.popularity_score": "UPDATE",
+        "catalog.property_object_cards.updated_at": "UPDATE",
+        "catalog.project_cards.popularity_score": "UPDATE",
+        "catalog.project_cards.updated_at": "UPDATE",
+        "catalog.popularity_daily_views": "DELETE,INSERT,SELECT,UPDATE",
+    }
+    assert db.q("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'pin_catalog_job'") == \
+        [(False,)]
+
+
+def test_catalog_dag_runs_as_the_job_role_and_the_role_cannot_do_more(catalog_job):
+    db, dsn = catalog_job
+    a = db.card(views=135)
+    p = db.card(views=20, kind="Project")
+    for days, views in ((3, 100), (2, 125), (1, 125)):
+        db.seed_snapshot(a, D - timedelta(days=days), views)
+    db.seed_snapshot(p, D - timedelta(days=1), 5, kind="Project")
+    db.seed_snapshot(p, D - timedelta(days=40), 1, kind="Project")  # to be pruned
+    s = assert_ok(run_dag("catalog_popularity_recompute", {}, logical_date=night(D)))
+    assert db.score(a) == Decimal("30.5084") and db.score(p, "Project") == 15
+    assert s["snapshots_written"] == 2 and s["snapshots_pruned"] == 1
+    s = assert_ok(run_dag("catalog_popularity_recompute", {}, logical_date=night(D)))
+    assert s["property_object_cards_updated"] == 0  # re-run: upserts, nothing changes
+    with psycopg.connect(dsn) as conn:
+        _allowed(conn, "SELECT id FROM catalog.project_cards FOR UPDATE")
+        _denied(conn, "UPDATE catalog.property_object_cards SET popularity_views = 0")
+        _denied(conn, "UPDATE catalog.project_cards SET status = 'Delisted'")
+        _denied(conn, "INSERT INTO catalog.project_cards (id) VALUES (gen_random_uuid())")
+        _denied(conn, "DELETE FROM catalog.property_object_cards")
+        _denied(conn, "TRUNCATE catalog.popularity_daily_views")
+        _denied(conn, "DROP TABLE catalog.popularity_daily_views")
+        _denied(conn, "CREATE TABLE catalog.x (id int)")
+    assert db.one("SELECT popularity_views FROM catalog.property_object_cards") == 135
+
+
+def test_missing_job_tables_are_reported_not_created_by_the_job_role(news_job, capfd, caplog):
+    """The job role cannot create the job-owned schema: the run fails at acquire_lease and says
+    which file the DBA has to apply."""
+    db, dsn = news_job
+    drifted = db.post(count=5, visible=3)
+    db.q("DROP SCHEMA pin_nightly CASCADE")
+    capfd.readouterr()
+    r = run_dag("news_comment_reconcile", {"scope": "FullSweep"})
+    out = capfd.readouterr()
+    text = out.out + out.err + caplog.text
+    assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
+    assert ("job-owned table pin_nightly.news_skipped_post does not exist and this role may not "
+            "create it: a DBA applies include/sql/schema/pin_nightly.sql") in text
+    assert db.count(drifted) == 5
+    assert db.one("SELECT to_regnamespace('pin_nightly') IS NULL")
+
+
+# --- no credentials in the repository -----------------------------------------------------------
+
+# placeholders a document may show instead of a password
+PLACEHOLDER = re.compile(r"^(|change-me.*|<[^>]*>|\$.*|\{\{.*|\*+|\.\.\.|secret|password|xxx+)$",
+                         re.I)
+SECRET_NAME = r"(?:password|passwd|pwd|secret|token|api[_-]?key|fernet[_-]?key|private[_-]?key)"
+RULES = [
+    # a name ending in a secret word, then = or : and a quoted literal (code, YAML, JSON)
+    ("quoted secret", re.compile(
+        rf"(?i)[\w.-]*{SECRET_NAME}[\"']?(?:\s*=|:)\s*[\"']([^\"'\n]*)[\"']")),
+    # NAME_ENDING_IN_A_SECRET_WORD=value (env files, shell, compose environment lists)
+    ("env secret", re.compile(rf"(?m)^\s*(?:export\s+|-\s+)?[A-Z0-9_]*"
+                              rf"{SECRET_NAME.upper()}=([^\s#]*)")),
+    # a password in the user-info part of a URL
+    ("url password", re.compile(r"[a-z][a-z0-9+.-]*://[^\s:/@'\"]+:([^\s@'\"/]*)@")),
+    # SQL: the PASSWORD clause with a quoted literal
+    ("sql password", re.compile(r"(?i)\bPASSWORD\s+'([^']*)'")),
+    ("private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----()")),
+    ("aws key", re.compile(r"\b(AKIA[0-9A-Z]{16})\b")),
+    ("fernet key", re.compile(r"(?<![\w-])([A-Za-z0-9_-]{43}=)(?![\w=])")),
+]
+
+
+def _is_placeholder(value: str) -> bool:
+    value = value.strip()
+    return bool(PLACEHOLDER.match(value)) or value.startswith(("os.environ", "os.getenv"))
+
+
+def find_credentials(text: str) -> list[tuple[str, str]]:
+    """(rule, matched text) of every credential-looking literal in ``text``."""
+    hits = []
+    for name, rule in RULES:
+        for m in rule.finditer(text):
+            if name in ("private key", "aws key", "fernet key") or not _is_placeholder(m[1]):
+                hits.append((name, m[0].strip()[:120]))
+    return hits
+
+
+def _repository_files() -> list[Path]:
+    """Tracked files and new files not ignored (what the next commit may contain)."""
+    proc = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                           "-z"], cwd=REPO, capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"not a git work tree: {proc.stderr.decode().strip()}")
+    out = proc.stdout
+    files = []
+    for name in filter(None, out.decode().split("\0")):
+        path = REPO / name
+        if path.is_file() and path.stat().st_size < 2_000_000:
+            files.append(path)
+    return files
+
+
+def test_the_credential_scanner_finds_credentials():
+    # "~" keeps these samples from being credentials in this file; it is removed before use
+    bad = [
+        'PASS~WORD = "hunter2-real"',
+        "conn = connect(pass~word='s3cr3t-value')",
+        "JOBS_DB_PASS~WORD=prod-password-123",
+        "url: postgresql:~//pin:Sup3rS3cret@db.example.com:5432/news",
+        "CREATE ROLE x LOGIN PASS~WORD 'letmein';",
+        "-----BEGIN RSA PRIV~ATE KEY-----",
+        "key = AKI~AABCDEFGHIJKLMNOP",
+        "FERNET = ZmDfcTF7_60GrrY167zsiPd67pEvs0aGOv2o~asOM1Pg=",
+    ]
+    for line in bad:
+        assert find_credentials(line.replace("~", "")), line
+        assert not find_credentials(line), line
+    good = [
+        "JOBS_DB_PASSWORD=change-me-jobs-db-password",
+        "AIRFLOW_DB_PASSWORD: ${AIRFLOW_DB_PASSWORD:?set it in .env}",
+        '"password": d.get("password") or ""',
+        "PIN_PG_DSN=postgresql://postgres:secret@localhost:5432/postgres make test",
+        "CREATE ROLE pin_news_job_login LOGIN PASSWORD :'pw' IN ROLE pin_news_job;",
+        "lease token 42",
+    ]
+    for line in good:
+        assert not find_credentials(line), line
+
+
+def test_no_credentials_in_the_repository():
+    hits = []
+    files = _repository_files()
+    assert any(f.name == ".env.example" for f in files) and len(files) > 50
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        for rule, match in find_credentials(text):
+            hits.append(f"{rel}: {rule}: {match}")
+    assert hits == []
+    # .env.example: every secret is an empty value or a change-me placeholder
+    env = (REPO / ".env.example").read_text()
+    secrets = re.findall(r"(?m)^[A-Z0-9_]*(?:PASSWORD|SECRET|KEY|TOKEN)[A-Z0-9_]*=(.*)$", env)
+    assert secrets and all(v == "" or v.startswith("change-me") for v in secrets), secrets
+
+
+# --- SQL: bound parameters only -----------------------------------------------------------------
+
+SQL_DIRS = ("news", "catalog", "common")
+# Text placeholders substituted on the Python side, and what may be substituted: table names
+# from the constant catalog.KINDS, keyset source queries read from include/sql.
+TEXT_PLACEHOLDERS = {"{cards}", "{source}"}
+
+
+def sql_file_problems(text: str) -> list[str]:
+    """Anything in a job SQL file that is not a bound parameter or a reviewed placeholder."""
+    code = "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+    problems = []
+    bare = re.sub(r"%%|%\(\w+\)s", "", code)
+    for m in re.finditer(r"%", bare):
+        problems.append(f"bare or positional %: {bare[m.start():m.start() + 12]!r}")
+    for m in re.finditer(r"\{[^{}]*\}", code):
+        if m[0] not in TEXT_PLACEHOLDERS and m[0] != "{}":
+            problems.append(f"text placeholder {m[0]!r}")
+    for literal in code.split("'")[1::2]:  # the insides of the string literals
+        if re.search(r"%\(\w+\)s", literal):
+            problems.append(f"parameter inside a string literal: {literal!r}")
+    return problems
+
+
+def _execute_calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("execute", "executemany") and node.args):
+            yield node
+
+
+def execute_problems(source: str) -> list[str]:
+    """Statements built from values on the Python side: f-strings, % or + on strings,
+    .format(), or .replace() of anything but a reviewed text placeholder, in the first argument
+    of ``.execute()``. The one f-string allowed interpolates an int() (a lock timeout)."""
+    problems = []
+    for call in _execute_calls(ast.parse(source)):
+        for node in ast.walk(call.args[0]):
+            where = f"line {node.lineno}" if hasattr(node, "lineno") else "?"
+            if isinstance(node, ast.JoinedStr):
+                for part in node.values:
+                    if isinstance(part, ast.FormattedValue) and not (
+                            isinstance(part.value, ast.Call)
+                            and isinstance(part.value.func, ast.Name)
+                            and part.value.func.id == "int"):
+                        problems.append(f"{where}: f-string interpolates "
+                                        f"{ast.unparse(part.value)}")
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.Add)):
+                problems.append(f"{where}: string built with {type(node.op).__name__}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "format":
+                    problems.append(f"{where}: .format()")
+                elif node.func.attr == "replace" and not (
+                        node.args and isinstance(node.args[0], ast.Constant)
+                        and node.args[0].value in TEXT_PLACEHOLDERS):
+                    problems.append(f"{where}: .replace() of {ast.unparse(node.args[0])}")
+    return problems
+
+
+def test_the_sql_checks_find_value_formatting():
+    assert sql_file_problems("SELECT 1 WHERE id = '%(id)s'")
+    assert not sql_file_problems("SELECT 1 WHERE s <> 'A' AND id = %(id)s AND t <> 'B'")
+    assert sql_file_problems("SELECT 1 WHERE id = %s AND x LIKE '5%'")
+    assert sql_file_problems("SELECT * FROM {table} WHERE id = %(id)s")
+    assert not sql_file_problems("SELECT * FROM {cards} WHERE id = %(id)s AND rn %% 2 = 0 "
+                                 "-- 100% of it\n AND ids = coalesce(x, '{}')")
+    assert execute_problems("cur.execute(f'SELECT * FROM t WHERE id = {pid}')")
+    assert execute_problems("cur.execute('SELECT * FROM t WHERE id = %s' % pid)")
+    assert execute_problems("cur.execute('SELECT ' + col + ' FROM t')")
+    assert execute_problems("cur.execute('SELECT {} FROM t'.format(col))")
+    assert execute_problems("cur.execute(sql('x').replace('{id}', pid))")
+    assert not execute_problems("cur.execute(sql('news/apply'), {'ids': ids})")
+    assert not execute_problems("cur.execute(f'SET LOCAL lock_timeout = {int(ms)}')")
+    assert not execute_problems("cur.execute(sql('c/lock').replace('{cards}', KINDS[kind]))")
+
+
+def test_job_sql_uses_bound_parameters_only():
+    files = [f for d in SQL_DIRS for f in sorted((REPO / "include" / "sql" / d).glob("*.sql"))]
+    assert len(files) > 30
+    problems = {f.relative_to(REPO).as_posix(): p for f in files
+                if (p := sql_file_problems(f.read_text()))}
+    assert problems == {}
+    # every text placeholder is one of the reviewed ones, in the files that expect it
+    for f in files:
+        for ph in set(re.findall(r"\{\w+\}", f.read_text())):
+            assert (ph, f.parent.name) in {("{cards}", "catalog"), ("{source}", "common")}, \
+                (f.name, ph)
+    plugin_problems = {}
+    for py in sorted((REPO / "plugins" / "pin_nightly").glob("*.py")):
+        if p := execute_problems(py.read_text()):
+            plugin_problems[py.name] = p
+    assert plugin_problems == {}
+
+
+def test_table_names_come_only_from_the_constant():
+    from pin_nightly import catalog
+
+    assert set(catalog.KINDS.values()) == {"catalog.property_object_cards",
+                                           "catalog.project_cards"}
+    for kind, table in catalog.KINDS.items():
+        text = catalog.card_sql("lock", kind)
+        assert table in text and "{cards}" not in text
+    for bad in ("Project; DROP TABLE news.posts", "catalog.project_cards", ""):
+        with pytest.raises(KeyError):
+            catalog.card_sql("lock", bad)
