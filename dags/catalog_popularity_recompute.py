@@ -62,20 +62,29 @@ with DAG(
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
     default_args={"owner": "PIN Marketplace (Catalog squad)"},
     params={
-        "window_days": Param(30, type="integer", minimum=1, description="Window W in days"),
-        "half_life_days": Param(7, type="number", exclusiveMinimum=0,
-                                description="Half-life H of a day's views, in days"),
-        "batch_size": Param(1000, type="integer", minimum=1, description="Cards per batch"),
-        "max_run_duration_minutes": Param(30, type="number", exclusiveMinimum=0,
-                                          description="No batch starts later than this after "
-                                                      "the lease is taken"),
-        "lock_ttl_minutes": Param(45, type="number", exclusiveMinimum=0,
-                                  description="Lease TTL; must exceed max_run_duration_minutes"),
-        "card_ids": Param([], type="array", items={"type": "string", "pattern": UUID_PATTERN},
-                          description="Targeted recompute of just these cards (either kind)"),
+        "window_days": Param(
+            30, type="integer", minimum=1, maximum=catalog.MAXIMA["window_days"],
+            description="Window W in days"),
+        "half_life_days": Param(
+            7, type="number", exclusiveMinimum=0,
+            description="Half-life H of a day's views, in days"),
+        "batch_size": Param(
+            1000, type="integer", minimum=1, maximum=catalog.MAXIMA["batch_size"],
+            description="Cards per batch"),
+        "max_run_duration_minutes": Param(
+            30, type="number", exclusiveMinimum=0,
+            maximum=catalog.MAXIMA["max_run_duration_minutes"],
+            description="No batch starts later than this after the lease is taken"),
+        "lock_ttl_minutes": Param(
+            45, type="number", exclusiveMinimum=0, maximum=catalog.MAXIMA["lock_ttl_minutes"],
+            description="Lease TTL; must exceed max_run_duration_minutes"),
+        "card_ids": Param(
+            [], type="array", items={"type": "string", "pattern": UUID_PATTERN},
+            description="Targeted recompute of just these cards (either kind)"),
         "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
-        "max_ranges": Param(8, type="integer", minimum=1, maximum=64,
-                            description="Upper bound of keyset ranges (mapped tasks) per pass"),
+        "max_ranges": Param(
+            8, type="integer", minimum=1, maximum=64,
+            description="Upper bound of keyset ranges (mapped tasks) per pass"),
     },
 ) as dag:
 

@@ -62,26 +62,36 @@ with DAG(
     # retried reconcile_range resumes from its cursor.
     default_args={"owner": "PIN Engagement"},
     params={
-        "scope": Param("auto", enum=list(news.SCOPES),
-                       description="auto = FullSweep on nights matching full_sweep_cron "
-                                   "(Europe/Moscow), else DailyWindow"),
-        "full_sweep_cron": Param("0 3 * * 0", type="string",
-                                 description="Nights (Europe/Moscow) on which auto means FullSweep"),
-        "batch_size": Param(500, type="integer", minimum=1, description="Posts per batch"),
-        "window_lookback_hours": Param(26, type="number", exclusiveMinimum=0,
-                                       description="DailyWindow: minimal look-back"),
-        "max_run_duration_minutes": Param(20, type="number", exclusiveMinimum=0,
-                                          description="No batch starts later than this after "
-                                                      "the lease is taken"),
-        "lock_ttl_minutes": Param(30, type="number", exclusiveMinimum=0,
-                                  description="Lease TTL; must exceed max_run_duration_minutes"),
-        "drift_alert_threshold": Param(1000, type="integer", minimum=0,
-                                       description="Alert when a run corrects more posts"),
-        "post_ids": Param([], type="array", items={"type": "string", "pattern": UUID_PATTERN},
-                          description="Targeted repair of just these posts"),
+        "scope": Param(
+            "auto", enum=list(news.SCOPES),
+            description="auto = FullSweep on nights matching full_sweep_cron (Europe/Moscow), "
+                        "else DailyWindow"),
+        "full_sweep_cron": Param(
+            "0 3 * * 0", type="string",
+            description="Nights (Europe/Moscow) on which auto means FullSweep"),
+        "batch_size": Param(
+            500, type="integer", minimum=1, maximum=news.MAXIMA["batch_size"],
+            description="Posts per batch"),
+        "window_lookback_hours": Param(
+            26, type="number", exclusiveMinimum=0, maximum=news.MAXIMA["window_lookback_hours"],
+            description="DailyWindow: minimal look-back"),
+        "max_run_duration_minutes": Param(
+            20, type="number", exclusiveMinimum=0,
+            maximum=news.MAXIMA["max_run_duration_minutes"],
+            description="No batch starts later than this after the lease is taken"),
+        "lock_ttl_minutes": Param(
+            30, type="number", exclusiveMinimum=0, maximum=news.MAXIMA["lock_ttl_minutes"],
+            description="Lease TTL; must exceed max_run_duration_minutes"),
+        "drift_alert_threshold": Param(
+            1000, type="integer", minimum=0,
+            description="Alert when a run corrects more posts"),
+        "post_ids": Param(
+            [], type="array", items={"type": "string", "pattern": UUID_PATTERN},
+            description="Targeted repair of just these posts"),
         "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
-        "max_ranges": Param(8, type="integer", minimum=1, maximum=64,
-                            description="Upper bound of keyset ranges (mapped tasks)"),
+        "max_ranges": Param(
+            8, type="integer", minimum=1, maximum=64,
+            description="Upper bound of keyset ranges (mapped tasks)"),
     },
 ) as dag:
 

@@ -299,6 +299,9 @@ BAD_SCHEMA_CONF = [
     ({"post_ids": "0190a000-0000-7000-8000-000000000000"}, "post_ids"),
     ({"dry_run": "yes"}, "dry_run"),
     ({"max_ranges": 0}, "max_ranges"),
+    ({"window_lookback_hours": 10**9}, "window_lookback_hours"),
+    ({"max_run_duration_minutes": 10**9, "lock_ttl_minutes": 2 * 10**9},
+     "max_run_duration_minutes"),
 ]
 
 
