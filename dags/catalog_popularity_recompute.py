@@ -13,7 +13,6 @@ from pin_nightly.deadlines import deadline_alerts
 from pin_nightly.tasks import config_errors_fail
 
 POOL = "catalog_popularity_recompute"
-UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 
 DOC_MD = """
 # catalog_popularity_recompute
@@ -79,7 +78,7 @@ with DAG(
             45, type="number", exclusiveMinimum=0, maximum=catalog.MAXIMA["lock_ttl_minutes"],
             description="Lease TTL; must exceed max_run_duration_minutes"),
         "card_ids": Param(
-            [], type="array", items={"type": "string", "pattern": UUID_PATTERN},
+            [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
             description="Targeted recompute of just these cards (either kind)"),
         "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
         "max_ranges": Param(

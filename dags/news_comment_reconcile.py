@@ -8,13 +8,11 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
 
-from pin_nightly import news
-from pin_nightly import jobs
+from pin_nightly import jobs, news
 from pin_nightly.deadlines import deadline_alerts
 from pin_nightly.tasks import config_errors_fail
 
 POOL = "news_comment_reconcile"
-UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 
 DOC_MD = """
 # news_comment_reconcile
@@ -86,7 +84,7 @@ with DAG(
             1000, type="integer", minimum=0,
             description="Alert when a run corrects more posts"),
         "post_ids": Param(
-            [], type="array", items={"type": "string", "pattern": UUID_PATTERN},
+            [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
             description="Targeted repair of just these posts"),
         "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
         "max_ranges": Param(

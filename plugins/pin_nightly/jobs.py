@@ -15,6 +15,8 @@ from pin_nightly.db import check_columns, connection, ensure_schema, has_index_o
 log = logging.getLogger(__name__)
 
 LOCK_HELD = "skipped, lock held"
+# JSON-schema pattern of a uuid param item (hyphens optional, any case); parse_uuids normalizes.
+UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 
 
 @dataclass(frozen=True)
