@@ -1,0 +1,171 @@
+"""Shared bits of the benchmark harness: paths, database names, environment, small helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+OUT = BENCH / "out"
+AIRFLOW_HOME = OUT / "airflow_home"
+LOGS = OUT / "logs"
+
+SEED = 20261130
+# The popularity job's as_of_date in the benchmark (fixed, so that data and results are
+# reproducible); history covers the 31 nights before it.
+AS_OF = date(2026, 11, 1)
+GENERATOR_VERSION = 3
+
+
+def scale_tag(scale: float) -> str:
+    return f"{scale:g}".replace(".", "_")
+
+
+def news_db(scale: float) -> str:
+    return f"pin_bench_news_s{scale_tag(scale)}"
+
+
+def catalog_db(scale: float) -> str:
+    return f"pin_bench_catalog_s{scale_tag(scale)}"
+
+
+def setup_paths() -> None:
+    for p in (str(REPO / "plugins"), str(REPO)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def setup_airflow_env() -> None:
+    """Point Airflow at a home of the benchmark's own (before anything imports airflow)."""
+    setup_paths()
+    from tools import devenv
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PIN_LOG_LEVEL", "WARNING")
+    devenv.apply_airflow_env(AIRFLOW_HOME)
+
+
+def pct(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (p in 0..100)."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = max(0, min(len(v) - 1, int(round(p / 100 * len(v) + 0.5)) - 1))
+    return v[k]
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def read_status_kb(field: str, pid: str = "self") -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def machine_facts(dsn: str) -> dict:
+    import psycopg
+
+    facts = {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        from importlib.metadata import version
+
+        facts["airflow"] = version("apache-airflow")
+        facts["postgres_provider"] = version("apache-airflow-providers-postgres")
+        facts["psycopg"] = version("psycopg")
+    except Exception:  # noqa: BLE001
+        pass
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        facts["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
+        for name in ("shared_buffers", "work_mem", "maintenance_work_mem",
+                     "max_parallel_workers_per_gather", "effective_cache_size", "jit",
+                     "synchronous_commit", "random_page_cost"):
+            facts[f"pg_{name}"] = conn.execute(f"SHOW {name}").fetchone()[0]
+    return facts
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+def dump_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def cpu_sample() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = f[3] + (f[4] if len(f) > 4 else 0)
+    return sum(f) - idle, sum(f)
+
+
+def busy_between(a: tuple[int, int], b: tuple[int, int]) -> float | None:
+    dt = b[1] - a[1]
+    return None if dt <= 0 else (b[0] - a[0]) / dt
+
+
+def wait_quiet(threshold: float = 0.2, window: float = 1.0, max_wait: float = 60.0) -> dict:
+    """Wait until the machine is quiet (other processes use < threshold of all CPUs over a
+    window), at most max_wait seconds: the machine may be shared (tests running next door)."""
+    import time
+
+    t0 = time.monotonic()
+    while True:
+        a = cpu_sample()
+        time.sleep(window)
+        busy = busy_between(a, cpu_sample())
+        waited = time.monotonic() - t0
+        if busy is None or busy < threshold or waited >= max_wait:
+            return {"waited_s": round(waited, 1), "busy_before": None if busy is None
+                    else round(busy, 3), "quiet": busy is None or busy < threshold}
+
+
+def code_version() -> dict:
+    """The commit the job code was measured at, and which of its files differ from it."""
+    import subprocess
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except Exception:  # noqa: BLE001
+            return None
+
+    dirty = git("status", "--porcelain", "--", "plugins", "include", "dags")
+    return {"head": git("rev-parse", "--short", "HEAD"),
+            "modified": [ln[3:] for ln in (dirty or "").splitlines()]}
