@@ -3,7 +3,8 @@
 News (``pin_bench_news_s<scale>``): 1,000,000 x scale posts with uuid v7 ids over ~13 months
 (5 % Archived); 10,000,000 x scale comments spread Pareto(1.5)-like over the posts (a third of the
 posts have none, the hottest have tens of thousands), 85 % Visible / 10 % Hidden / 5 % Deleted,
-1 % of them changed in the last 25 h (``updated_at``), stored in arrival (time) order;
+1 % of them changed in the 25 h before the data's instant ``NEWS_ANCHOR`` (``updated_at``;
+moved up to the wall clock before a run by :func:`reage_news`), stored in arrival order;
 ``comments_count`` exact except on 1 % of the non-archived posts (drift of -3..+5).
 
 Catalog (``pin_bench_catalog_s<scale>``): 300,000 x scale property-object cards and 5,000 x scale
@@ -23,7 +24,7 @@ import logging
 import time
 from datetime import datetime, timedelta, timezone
 
-from bench.common import AS_OF, GENERATOR_VERSION, SEED, catalog_db, news_db
+from bench.common import AS_OF, GENERATOR_VERSION, NEWS_ANCHOR, SEED, catalog_db, news_db
 
 log = logging.getLogger("bench.generate")
 
@@ -244,7 +245,7 @@ def ensure_news(scale: float, regenerate: bool = False) -> dict:
     dsn = devenv.recreate_database(name)
     create_news_schema(dsn, indexes=False)
     devenv.run_sql_file(dsn, "schema/pin_nightly.sql")
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = NEWS_ANCHOR  # "now" of the data; reage_news moves the recent changes to the clock
     n_posts = max(1, round(1_000_000 * scale))
     n_comments = max(1, round(10_000_000 * scale))
     with _connect(dsn) as conn:
@@ -279,7 +280,8 @@ def ensure_news(scale: float, regenerate: bool = False) -> dict:
         size = conn.execute("SELECT pg_size_pretty(pg_database_size(current_database()))"
                             ).fetchone()[0]
         meta = {"scale": scale, "seed": SEED, "version": GENERATOR_VERSION,
-                "generated_at": now.isoformat(), "changes_anchor": now.isoformat(),
+                "generated_at": datetime.now(timezone.utc).isoformat(),
+                "data_as_of": now.isoformat(), "changes_anchor": now.isoformat(),
                 "facts": facts, "db_size": size,
                 "generate_s": round(time.monotonic() - started, 1), "complete": True}
         _write_meta(conn, meta)
