@@ -174,6 +174,8 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
         elif scope == "Targeted":
             cur.execute(sql("news/targeted_candidates"),
                         {"sweep_id": sweep["sweep_id"], "post_ids": opts["post_ids"]})
+        if candidate_mode:
+            cur.execute(sql("news/analyze_candidates"))
 
     def plan(cur, sweep):
         source = sql("news/candidate_source" if candidate_mode else "news/full_source")

@@ -22,6 +22,11 @@ WITH cand AS (
      ORDER BY p.id
        FOR UPDATE OF p SKIP LOCKED
 )
-SELECT c.id::text AS id, e.id IS NOT NULL AS eligible, l.id IS NOT NULL AS locked
-  FROM cand c LEFT JOIN eligible e ON e.id = c.id LEFT JOIN locked l ON l.id = c.id
- ORDER BY c.id
+-- Flags by UNION ALL + GROUP BY rather than joins of CTE scans: the planner cannot estimate
+-- those and may pick nested loops, quadratic in the batch size.
+SELECT id::text AS id, bool_or(is_eligible) AS eligible, bool_or(is_locked) AS locked
+  FROM (SELECT id, FALSE AS is_eligible, FALSE AS is_locked FROM cand
+        UNION ALL SELECT id, TRUE, FALSE FROM eligible
+        UNION ALL SELECT id, TRUE, TRUE FROM locked) AS flags
+ GROUP BY id
+ ORDER BY id

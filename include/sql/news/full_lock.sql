@@ -19,6 +19,9 @@ WITH cand AS (
      ORDER BY p.id
        FOR UPDATE OF p SKIP LOCKED
 )
-SELECT c.id::text AS id, TRUE AS eligible, l.id IS NOT NULL AS locked
-  FROM cand c LEFT JOIN locked l ON l.id = c.id
- ORDER BY c.id
+-- Flags by UNION ALL + GROUP BY rather than a join of CTE scans (see candidate_lock.sql).
+SELECT id::text AS id, TRUE AS eligible, bool_or(is_locked) AS locked
+  FROM (SELECT id, FALSE AS is_locked FROM cand
+        UNION ALL SELECT id, TRUE FROM locked) AS flags
+ GROUP BY id
+ ORDER BY id
