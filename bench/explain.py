@@ -101,6 +101,7 @@ def _write(job: str, scale: float, out: dict) -> None:
 def explain_news(dsn: str, scale: float) -> dict:
     import psycopg
 
+    from pin_nightly import news
     from pin_nightly.db import sql
 
     variants.install(variants.get("baseline"))
@@ -109,34 +110,31 @@ def explain_news(dsn: str, scale: float) -> dict:
         n = cur.execute("SELECT count(*) FROM news.posts").fetchone()[0]
         after = cur.execute("SELECT id::text FROM news.posts ORDER BY id OFFSET %s LIMIT 1",
                             (n // 2,)).fetchone()[0]
-        lock_p = {"after_id": after, "upper_id": None, "limit": 500}
+        batch = news.DEFAULTS["batch_size"]
+        lock_p = {"after_id": after, "upper_id": None, "limit": batch}
         out["news/full_lock"] = _explain(cur, sql("news/full_lock"), lock_p)
-        cur.execute(sql("news/full_lock"), lock_p)
-        ids = [r[0] for r in cur.fetchall() if r[2]]
-        apply_p = {"ids": ids, "dry_run": False, "sweep_id": 0, "run_id": "explain"}
-        out["news/apply"] = _explain(cur, sql("news/apply"), apply_p)
-        out["news/apply (timed x5)"] = _timed(cur, sql("news/apply"), apply_p)
-        out["news/apply generic plan"] = _generic(cur, sql("news/apply"))
-        out["news/full_lock generic plan"] = _generic(cur, sql("news/full_lock"))
-        v = variants.NEWS_APPLY_RANGE
-        out["variant news_apply_range: news/apply"] = _explain(cur, v, apply_p)
-        out["variant news_apply_range (timed x5)"] = _timed(cur, v, apply_p)
+        out["news/full_lock (timed x5)"] = _timed(cur, sql("news/full_lock"), lock_p)
         conn.rollback()
-        out["variant news_lock_onepass: news/full_lock"] = _explain(
-            cur, variants.NEWS_FULL_LOCK_ONEPASS, lock_p)
+        # statement 2 for a batch's suspects: the drifted posts of the next few batches
+        cur.execute(sql("news/full_lock"), {**lock_p, "limit": batch * 5})
+        ids = cur.fetchone()[4]
+        conn.rollback()
+        apply_p = {"ids": ids, "dry_run": False, "sweep_id": 0, "run_id": "explain"}
+        out[f"news/apply ({len(ids)} posts)"] = _explain(cur, sql("news/apply"), apply_p)
+        conn.rollback()
+        out["news/full_lock generic plan"] = _generic(cur, sql("news/full_lock"))
+        out["variant lock_all: news/full_lock"] = _explain(
+            cur, variants.NEWS_FULL_LOCK_ALL, lock_p)
         conn.rollback()
         # the plan a prepared statement switches to, at 90 % of the keyset
         late = cur.execute("SELECT id::text FROM news.posts ORDER BY id OFFSET %s LIMIT 1",
                            (n * 9 // 10,)).fetchone()[0]
-        late_p = {"after_id": late, "upper_id": None, "limit": 500}
+        late_p = {"after_id": late, "upper_id": None, "limit": batch}
         types = {"after_id": "uuid", "upper_id": "uuid", "limit": "bigint"}
         out["news/full_lock, generic plan, batch at 90 %"] = _generic_analyze(
             cur, sql("news/full_lock"), types, late_p)
         out["news/full_lock, custom plan, batch at 90 %"] = _explain(
             cur, sql("news/full_lock"), late_p)
-        conn.rollback()
-        out["sargable news/full_lock, generic plan, batch at 90 %"] = _generic_analyze(
-            cur, variants.SARGABLE["news/full_lock"], types, late_p)
         conn.rollback()
         # the DailyWindow candidate scan (materialized once per window sweep)
         sweep_id = cur.execute(
@@ -188,11 +186,6 @@ def explain_catalog(dsn: str, scale: float) -> dict:
         out["catalog/lock, generic plan, batch at 90 %"] = _generic_analyze(
             cur, lock_sql, types, late_p)
         out["catalog/lock, custom plan, batch at 90 %"] = _explain(cur, lock_sql, late_p)
-        conn.rollback()
-        sarg = variants.SARGABLE["catalog/lock"].replace("{cards}",
-                                                         catalog.KINDS["PropertyObject"])
-        out["sargable catalog/lock, generic plan, batch at 90 %"] = _generic_analyze(
-            cur, sarg, types, late_p)
         conn.rollback()
         fp = {"as_of": AS_OF, "window_days": d["window_days"], "half_life": d["half_life_days"]}
         out["floor: snapshots INSERT"] = _explain(cur, CATALOG_FLOOR_SNAPSHOTS, fp)

@@ -125,6 +125,33 @@ def test_a_lock_released_before_the_end_of_the_range_is_retried(news_db):
     assert s["posts_skipped_locked"] == 0 and s["posts_reconciled"] == 31
 
 
+
+@pytest.mark.parametrize("scope", ["FullSweep", "DailyWindow"])
+def test_a_correct_post_held_by_the_hot_path_is_verified_without_its_lock(news_db, scope):
+    """Only posts whose counter looks wrong are locked: a correct post that the hot path is
+    writing right now (comment and counter in one open transaction) is verified from the
+    committed state, neither skipped nor written, and the hot path's change lands intact."""
+    now = datetime.now(timezone.utc)
+    busy = news_db.post(count=4, visible=4, comments_at=now - timedelta(hours=1))
+    drifted = news_db.post(count=9, visible=2, comments_at=now - timedelta(hours=1))
+    before = news_db.post_row(busy)
+    hot_path = psycopg.connect(news_db.dsn)
+    hot_path.execute("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+                     "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())", (busy,))
+    hot_path.execute("UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s",
+                     (busy,))
+    try:
+        s = assert_ok(run({"scope": scope}))  # the hot-path transaction is still open
+        assert news_db.post_row(busy) == before  # the committed row, untouched by the run
+    finally:
+        hot_path.commit()
+        hot_path.close()
+    assert (s["posts_reconciled"], s["drift_corrected"], s["posts_skipped_locked"]) == (2, 1, 0)
+    assert news_db.count(busy) == 5
+    assert news_db.count(drifted) == 2
+    assert news_db.q("SELECT post_id::text FROM pin_nightly.news_drift") == [(drifted,)]
+    assert news_db.q("SELECT count(*) FROM pin_nightly.news_skipped_post") == [(0,)]
+
 def test_max_run_duration_interrupts_and_the_next_run_resumes_from_the_cursor(news_db):
     ids = news_db.posts(120, drift_every=3)
     # end the run's time budget once a few batches have committed (as if 20 minutes passed)

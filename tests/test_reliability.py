@@ -82,7 +82,9 @@ def test_news_full_sweep_under_hot_path_load(news_db):
     run reconciled; the injected offset, unchanged, for a post left skipped-locked. The job recorded exactly the injected drift of the posts it
     corrected: a count taken from a snapshot older than the row locks would show up as a
     correction of a correct post or an off-by-one correction. (Checked by mutation: without the
-    row locks of the batch, a lost or doubled hot-path update failed this test in 4 tries out of 4.)"""
+    row locks of the posts that look drifted, a lost or doubled hot-path update failed this test
+    in 5 tries out of 10; the deterministic case of that race, a hot-path transaction holding a
+    drifted post, is test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost.)"""
     rnd = random.Random(20261130)
     ids, drift = bulk_posts(news_db, 3000, rnd, drift_share=0.05)
     assert post_offsets(news_db) == {p: drift.get(p, 0) for p in ids}

@@ -1,8 +1,9 @@
 """news_comment_reconcile: recount ``news.posts.comments_count`` from the visible comments.
 
-Each batch is one transaction: lock the range's next posts ``FOR UPDATE SKIP LOCKED``; count
-their visible comments in a second statement (its snapshot is taken after the locks are held);
-correct only the drifted posts and record each correction; advance the range cursor.
+Each batch is one transaction: read the range's next posts and check their counters against
+their visible comments; lock the posts that look drifted ``FOR UPDATE SKIP LOCKED``; recount
+those in a second statement (its snapshot is taken after the locks are held), correct the ones
+that are drifted and record each correction; advance the range cursor.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import pendulum
 
 from pin_nightly import keyset, metrics
-from pin_nightly.db import JobConfigError, connection, fetch_dicts, sql
+from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql
 from pin_nightly.jobs import (
     LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease,
     run_identity, run_range_task,
@@ -203,11 +204,12 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
         else:
             cur.execute(lock_sql, {"sweep_id": sweep_id, "after_id": after_id,
                                    "upper_id": upper_id, "limit": limit})
-        rows = fetch_dicts(cur)
-        if not rows:
+        got = fetch_one_dict(cur)
+        if not got["n_read"]:
             return keyset.Batch(last_id=None, full=False)
-        locked = [r["id"] for r in rows if r["eligible"] and r["locked"]]
-        skipped = [r["id"] for r in rows if r["eligible"] and not r["locked"]]
+        locked = list(got["locked_ids"])
+        held = set(locked)
+        skipped = [i for i in got["suspect_ids"] if i not in held]
         drift: list[dict[str, Any]] = []
         if locked:
             cur.execute(sql("news/apply"), {"ids": locked, "dry_run": dry_run,
@@ -219,8 +221,10 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
             log.debug("drift %s: post %s comments_count %s -> %s",
                       "found" if dry_run else "corrected", d["id"], d["count_from"],
                       d["count_to"])
-        return keyset.Batch(last_id=rows[-1]["id"], full=len(rows) >= limit,
-                            processed=len(locked), changed=len(drift), skipped_ids=skipped)
+        # reconciled: every eligible post read, except those left locked by someone else
+        return keyset.Batch(last_id=got["last_id"], full=got["n_read"] >= limit,
+                            processed=got["n_eligible"] - len(skipped), changed=len(drift),
+                            skipped_ids=skipped)
 
     return batch
 

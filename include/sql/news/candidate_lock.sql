@@ -1,7 +1,12 @@
 -- DailyWindow / targeted batch, statement 1: the sweep's next candidate posts after the cursor,
--- locked with SKIP LOCKED. A candidate that is archived or gone is not eligible.
+-- checked read-only against their visible comments; only the posts whose counter looks wrong
+-- are locked with SKIP LOCKED. A candidate that is archived or gone is not eligible. Why the
+-- posts whose counter matches need no lock, and why statement 2 recounts: see full_lock.sql.
 -- The keyset bounds are sargable (coalesce, not "IS NULL OR"): a generic plan of the
--- prepared statement still starts its index scan at the cursor.
+-- prepared statement still starts its index scan at the cursor. Candidates are sparse in the
+-- keyset, so each is counted by its own descent of the partial comments index (LATERAL), a
+-- plan that does not depend on estimates; no CTE scans are joined to each other (the planner
+-- cannot estimate those and may pick nested loops, quadratic in the batch size).
 WITH cand AS (
     SELECT post_id AS id
       FROM pin_nightly.news_window_candidate
@@ -12,21 +17,25 @@ WITH cand AS (
      ORDER BY post_id
      LIMIT %(limit)s
 ), eligible AS (
-    SELECT p.id
+    SELECT p.id, p.comments_count
       FROM news.posts p
      WHERE p.id IN (SELECT id FROM cand) AND p.status IS DISTINCT FROM 'Archived'
+), suspect AS (
+    SELECT e.id
+      FROM eligible e
+     CROSS JOIN LATERAL (SELECT count(*) AS n
+                           FROM news.comments c
+                          WHERE c.post_id = e.id AND c.status = 'Visible') v
+     WHERE e.comments_count IS DISTINCT FROM v.n
 ), locked AS (
     SELECT p.id
       FROM news.posts p
-     WHERE p.id IN (SELECT id FROM eligible) AND p.status IS DISTINCT FROM 'Archived'
+     WHERE p.id IN (SELECT id FROM suspect) AND p.status IS DISTINCT FROM 'Archived'
      ORDER BY p.id
        FOR UPDATE OF p SKIP LOCKED
 )
--- Flags by UNION ALL + GROUP BY rather than joins of CTE scans: the planner cannot estimate
--- those and may pick nested loops, quadratic in the batch size.
-SELECT id::text AS id, bool_or(is_eligible) AS eligible, bool_or(is_locked) AS locked
-  FROM (SELECT id, FALSE AS is_eligible, FALSE AS is_locked FROM cand
-        UNION ALL SELECT id, TRUE, FALSE FROM eligible
-        UNION ALL SELECT id, TRUE, TRUE FROM locked) AS flags
- GROUP BY id
- ORDER BY id
+SELECT (SELECT count(*) FROM cand)                         AS n_read,
+       (SELECT count(*) FROM eligible)                     AS n_eligible,
+       (SELECT id::text FROM cand ORDER BY id DESC LIMIT 1) AS last_id,
+       ARRAY(SELECT id::text FROM suspect ORDER BY id)     AS suspect_ids,
+       ARRAY(SELECT id::text FROM locked ORDER BY id)      AS locked_ids

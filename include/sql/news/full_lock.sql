@@ -1,10 +1,23 @@
--- FullSweep batch, statement 1: the range's next posts after the cursor, locked with
--- SKIP LOCKED. Returns every candidate, with whether we got its lock (a post being written by
--- the hot path right now is skipped and retried at the end of the range).
+-- FullSweep batch, statement 1: the range's next posts after the cursor, checked read-only
+-- against their visible comments, and only the posts whose counter looks wrong locked with
+-- SKIP LOCKED (a post being written by the hot path right now is skipped and retried at the
+-- end of the range). Statement 2 (news/apply) recounts the locked posts in a newer snapshot and
+-- corrects them: every correction still comes from a count taken after its lock is held.
+--
+-- Why a post whose counter matches needs no lock: the hot path changes a comment and the
+-- counter in one transaction, and this statement sees each such transaction whole or not at
+-- all, so a match means the counter was exact at this statement's instant; a later hot-path
+-- transaction keeps it exact. A mismatch caused only by a transaction in flight is merely
+-- locked and recounted. Locking every post would dirty every heap page of news.posts and write
+-- WAL per post for nothing (see bench/RESULTS.md).
+--
+-- The comments are counted by one range scan of the partial index over the batch's key span
+-- (the span holds only the batch's posts and archived ones, which the check drops).
 -- The keyset bounds are sargable (coalesce, not "IS NULL OR"): a generic plan of the
--- prepared statement still starts its index scan at the cursor.
+-- prepared statement still starts its index scan at the cursor. The check merges its two
+-- inputs by UNION ALL + GROUP BY, not by a join of CTE scans (see candidate_lock.sql).
 WITH cand AS (
-    SELECT id
+    SELECT id, comments_count
       FROM news.posts
      WHERE id >= coalesce(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'::uuid)
        AND (%(after_id)s::uuid IS NULL OR id <> %(after_id)s::uuid)
@@ -12,16 +25,30 @@ WITH cand AS (
        AND status IS DISTINCT FROM 'Archived'
      ORDER BY id
      LIMIT %(limit)s
+), span AS (  -- no min(uuid) / max(uuid) in PostgreSQL 16
+    SELECT (SELECT id FROM cand ORDER BY id LIMIT 1) AS lo,
+           (SELECT id FROM cand ORDER BY id DESC LIMIT 1) AS hi
+), counted AS (
+    SELECT c.post_id, count(*) AS n
+      FROM news.comments c, span s
+     WHERE c.post_id >= s.lo AND c.post_id <= s.hi AND c.status = 'Visible'
+     GROUP BY c.post_id
+), suspect AS (
+    SELECT id
+      FROM (SELECT id, TRUE AS in_batch, comments_count, 0::bigint AS n FROM cand
+            UNION ALL SELECT post_id, FALSE, NULL, n FROM counted) AS x
+     GROUP BY id
+    HAVING bool_or(in_batch)
+       AND max(comments_count) IS DISTINCT FROM sum(n)
 ), locked AS (
     SELECT p.id
       FROM news.posts p
-     WHERE p.id IN (SELECT id FROM cand) AND p.status IS DISTINCT FROM 'Archived'
+     WHERE p.id IN (SELECT id FROM suspect) AND p.status IS DISTINCT FROM 'Archived'
      ORDER BY p.id
        FOR UPDATE OF p SKIP LOCKED
 )
--- Flags by UNION ALL + GROUP BY rather than a join of CTE scans (see candidate_lock.sql).
-SELECT id::text AS id, TRUE AS eligible, bool_or(is_locked) AS locked
-  FROM (SELECT id, FALSE AS is_locked FROM cand
-        UNION ALL SELECT id, TRUE FROM locked) AS flags
- GROUP BY id
- ORDER BY id
+SELECT (SELECT count(*) FROM cand)                         AS n_read,
+       (SELECT count(*) FROM cand)                         AS n_eligible,
+       (SELECT id::text FROM cand ORDER BY id DESC LIMIT 1) AS last_id,
+       ARRAY(SELECT id::text FROM suspect ORDER BY id)     AS suspect_ids,
+       ARRAY(SELECT id::text FROM locked ORDER BY id)      AS locked_ids

@@ -1,7 +1,15 @@
--- End-of-range retry of posts skipped because locked: wait for the lock (bounded by the
--- transaction's lock_timeout).
-SELECT p.id::text AS id, TRUE AS eligible, TRUE AS locked
-  FROM news.posts p
- WHERE p.id = ANY(%(ids)s::uuid[]) AND p.status IS DISTINCT FROM 'Archived'
- ORDER BY p.id
-   FOR UPDATE OF p
+-- End-of-range retry of posts skipped because locked: lock them, waiting for each lock
+-- (bounded by the transaction's lock_timeout), and hand them all to news/apply for a recount.
+-- Same columns as full_lock.sql.
+WITH locked AS (
+    SELECT p.id
+      FROM news.posts p
+     WHERE p.id = ANY(%(ids)s::uuid[]) AND p.status IS DISTINCT FROM 'Archived'
+     ORDER BY p.id
+       FOR UPDATE OF p
+)
+SELECT cardinality(%(ids)s::uuid[])                     AS n_read,
+       (SELECT count(*) FROM locked)                    AS n_eligible,
+       NULL::text                                       AS last_id,
+       ARRAY(SELECT id::text FROM locked ORDER BY id)   AS suspect_ids,
+       ARRAY(SELECT id::text FROM locked ORDER BY id)   AS locked_ids
