@@ -3,7 +3,8 @@
 A *sweep* is one pass of a job over its scope. Planning splits the scope's ids into at most
 ``max_ranges`` contiguous ranges ``(lower_id, upper_id]`` of about equal row count; each mapped
 task loops over batches inside its range, one transaction per batch, advancing the range's
-cursor (the checkpoint) in the batch's own transaction. A run that stops at its time budget
+cursor (the checkpoint) in the batch's own transaction, committed asynchronously (see
+``common/async_commit.sql``). A run that stops at its time budget
 leaves the sweep open; the next run of the same scope adopts it and resumes from the cursors.
 """
 
@@ -206,6 +207,7 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
             break
         started = time.monotonic()
         with transaction(conn) as cur:
+            cur.execute(sql("common/async_commit"))
             past_deadline, renew_due = leases.fence(cur, lease)
             b = None if past_deadline else batch(cur, cursor, upper, batch_size, None)
             if b is not None and b.last_id is not None:
@@ -254,6 +256,7 @@ def _retry_skipped(conn, key, lease, batch: BatchFn, skipped: list[str], timeout
     for row_id in skipped:
         try:
             with transaction(conn) as cur:
+                cur.execute(sql("common/async_commit"))
                 if leases.fence(cur, lease)[0]:
                     break
                 cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
