@@ -171,6 +171,9 @@ def make_batch(kind: str, opts: dict[str, Any]):
         if len(locked) > len(poison):
             if opts["dry_run"]:
                 cur.execute(sql("common/savepoint"))
+            # the generic plan of this statement is ~20 % slower than a custom one, and
+            # planning it is cheap next to executing it (bench/RESULTS.md)
+            cur.execute(sql("common/custom_plans"))
             cur.execute(apply_sql, {
                 "ids": [r["id"] for r in locked], "views": [r["views"] for r in locked],
                 "kind": kind, "as_of": opts["as_of_date"], "window_days": opts["window_days"],
