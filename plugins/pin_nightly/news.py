@@ -50,7 +50,7 @@ JOB = JobDef(
 DEFAULTS: dict[str, Any] = {
     "scope": "auto",
     "full_sweep_cron": "0 3 * * 0",
-    "batch_size": 500,
+    "batch_size": 2000,
     "window_lookback_hours": 26,
     "max_run_duration_minutes": 20,
     "lock_ttl_minutes": 30,
