@@ -4,8 +4,8 @@ A *sweep* is one pass of a job over its scope. Planning splits the scope's ids i
 ``max_ranges`` contiguous ranges ``(lower_id, upper_id]`` of about equal row count; each mapped
 task loops over batches inside its range, one transaction per batch, advancing the range's
 cursor (the checkpoint) in the batch's own transaction, committed asynchronously (see
-``common/async_commit.sql``). A run that stops at its time budget
-leaves the sweep open; the next run of the same scope adopts it and resumes from the cursors.
+``common/async_commit.sql``). A run that stops at its time budget leaves the sweep open; the
+next run of the same scope adopts it and resumes from the cursors.
 """
 
 from __future__ import annotations
