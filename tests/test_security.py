@@ -138,7 +138,7 @@ def test_news_role_holds_exactly_the_minimal_grants(news_job):
         "news.posts.comments_count": "UPDATE",
         "news.posts.updated_at": "UPDATE",
         "pin_nightly.news_drift": "INSERT,SELECT",
-        "pin_nightly.news_window_candidate": "INSERT,SELECT",
+        "pin_nightly.news_window_candidate": "DELETE,INSERT,SELECT",
         "pin_nightly.news_skipped_post": "DELETE,INSERT,SELECT,UPDATE",
     }
     assert db.q("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'pin_news_job'") == [(False,)]

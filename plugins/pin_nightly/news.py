@@ -16,7 +16,9 @@ from typing import Any
 import pendulum
 
 from pin_nightly import keyset, metrics
-from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql
+from pin_nightly.db import (
+    JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction,
+)
 from pin_nightly.jobs import (
     LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease,
     run_identity, run_range_task,
@@ -253,7 +255,9 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
         else:
-            for t in keyset.finish_run(conn, JOB.code, ident["run_id"]):
+            totals = keyset.finish_run(conn, JOB.code, ident["run_id"])
+            _prune_candidates(conn, ident["run_id"])
+            for t in totals:
                 result["sweep_id"] = t["sweep_id"]
                 result["posts_reconciled"] += t["rows_processed"]
                 result["drift_found"] += t["rows_changed"]
@@ -282,6 +286,13 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
 
             alerts.drift_alert(JOB.dag_id, ident["run_id"], result, opts["drift_alert_threshold"])
     return result
+
+
+def _prune_candidates(conn, run_id: str) -> None:
+    with transaction(conn) as cur:
+        cur.execute(sql("news/prune_candidates"), {"job": JOB.code, "run_id": run_id})
+        if cur.rowcount:
+            log.info("deleted %d window candidates of finished sweeps", cur.rowcount)
 
 
 def _emit(result: dict[str, Any]) -> None:

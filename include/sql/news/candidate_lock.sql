@@ -34,8 +34,8 @@ WITH cand AS (
      ORDER BY p.id
        FOR UPDATE OF p SKIP LOCKED
 )
-SELECT (SELECT count(*) FROM cand)                         AS n_read,
-       (SELECT count(*) FROM eligible)                     AS n_eligible,
-       (SELECT id::text FROM cand ORDER BY id DESC LIMIT 1) AS last_id,
-       ARRAY(SELECT id::text FROM suspect ORDER BY id)     AS suspect_ids,
-       ARRAY(SELECT id::text FROM locked ORDER BY id)      AS locked_ids
+SELECT (SELECT count(*) FROM cand)                           AS n_read,
+       (SELECT count(*) FROM eligible)                       AS n_eligible,
+       (SELECT id FROM cand ORDER BY id DESC LIMIT 1)::text  AS last_id,
+       ARRAY(SELECT id::text FROM suspect ORDER BY id)       AS suspect_ids,
+       ARRAY(SELECT id::text FROM locked ORDER BY id)        AS locked_ids

@@ -11,8 +11,10 @@
 -- locked and recounted. Locking every post would dirty every heap page of news.posts and write
 -- WAL per post for nothing (see bench/RESULTS.md).
 --
--- The comments are counted by one range scan of the partial index over the batch's key span
--- (the span holds only the batch's posts and archived ones, which the check drops).
+-- The comments are counted by one range scan of the partial index from the cursor to the
+-- batch's last post (the span holds only the batch's posts and archived ones, which the check
+-- drops). The check compares bigint maxima (each id has at most one row per input), not sums,
+-- which would be numeric; ids are compared as uuids, never as text.
 -- The keyset bounds are sargable (coalesce, not "IS NULL OR"): a generic plan of the
 -- prepared statement still starts its index scan at the cursor. The check merges its two
 -- inputs by UNION ALL + GROUP BY, not by a join of CTE scans (see candidate_lock.sql).
@@ -25,13 +27,14 @@ WITH cand AS (
        AND status IS DISTINCT FROM 'Archived'
      ORDER BY id
      LIMIT %(limit)s
-), span AS (  -- no min(uuid) / max(uuid) in PostgreSQL 16
-    SELECT (SELECT id FROM cand ORDER BY id LIMIT 1) AS lo,
-           (SELECT id FROM cand ORDER BY id DESC LIMIT 1) AS hi
+), last AS (  -- no max(uuid) in PostgreSQL 16
+    SELECT id FROM cand ORDER BY id DESC LIMIT 1
 ), counted AS (
     SELECT c.post_id, count(*) AS n
-      FROM news.comments c, span s
-     WHERE c.post_id >= s.lo AND c.post_id <= s.hi AND c.status = 'Visible'
+      FROM news.comments c
+     WHERE c.post_id >= coalesce(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'::uuid)
+       AND c.post_id <= (SELECT id FROM last)
+       AND c.status = 'Visible'
      GROUP BY c.post_id
 ), suspect AS (
     SELECT id
@@ -39,16 +42,18 @@ WITH cand AS (
             UNION ALL SELECT post_id, FALSE, NULL, n FROM counted) AS x
      GROUP BY id
     HAVING bool_or(in_batch)
-       AND max(comments_count) IS DISTINCT FROM sum(n)
+       AND max(comments_count) IS DISTINCT FROM max(n)
 ), locked AS (
     SELECT p.id
       FROM news.posts p
      WHERE p.id IN (SELECT id FROM suspect) AND p.status IS DISTINCT FROM 'Archived'
      ORDER BY p.id
        FOR UPDATE OF p SKIP LOCKED
+), batch AS (
+    SELECT count(*) AS n FROM cand
 )
-SELECT (SELECT count(*) FROM cand)                         AS n_read,
-       (SELECT count(*) FROM cand)                         AS n_eligible,
-       (SELECT id::text FROM cand ORDER BY id DESC LIMIT 1) AS last_id,
-       ARRAY(SELECT id::text FROM suspect ORDER BY id)     AS suspect_ids,
-       ARRAY(SELECT id::text FROM locked ORDER BY id)      AS locked_ids
+SELECT (SELECT n FROM batch)                           AS n_read,
+       (SELECT n FROM batch)                           AS n_eligible,
+       (SELECT id::text FROM last)                     AS last_id,
+       ARRAY(SELECT id::text FROM suspect ORDER BY id) AS suspect_ids,
+       ARRAY(SELECT id::text FROM locked ORDER BY id)  AS locked_ids

@@ -85,8 +85,9 @@ BEGIN
         -- the only columns the job writes (and what lets it lock posts FOR UPDATE)
         GRANT UPDATE (comments_count, updated_at) ON news.posts TO pin_news_job;
         -- news-only job state
-        GRANT SELECT, INSERT ON pin_nightly.news_drift, pin_nightly.news_window_candidate
-            TO pin_news_job;
+        GRANT SELECT, INSERT ON pin_nightly.news_drift TO pin_news_job;
+        -- candidates of finished sweeps are deleted by the run's summary
+        GRANT SELECT, INSERT, DELETE ON pin_nightly.news_window_candidate TO pin_news_job;
         GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.news_skipped_post TO pin_news_job;
     END IF;
 
