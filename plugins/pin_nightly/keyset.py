@@ -53,9 +53,17 @@ def boundaries(cur, source_sql: str, params: dict[str, Any], batch_size: int,
     if n_ranges == 1:
         return total, []
     step = math.ceil(total / n_ranges)
-    cur.execute(sql("common/keyset_boundaries").replace("{source}", source_sql),
-                {**params, "pin_step": step, "pin_total": total})
-    return total, [r[0] for r in cur.fetchall()]
+    query = sql("common/keyset_next_boundary").replace("{source}", source_sql)
+    inner: list[str] = []
+    # boundaries at rows step, 2 * step, ... before the last row (no empty last range)
+    while len(inner) < n_ranges - 1 and (len(inner) + 1) * step < total:
+        cur.execute(query, {**params, "pin_after": inner[-1] if inner else None,
+                            "pin_skip": step - 1})
+        row = cur.fetchone()
+        if row is None:  # rows deleted since the count
+            break
+        inner.append(row[0])
+    return total, inner
 
 
 def open_sweep(conn, spec: SweepSpec, run_id: str,

@@ -37,5 +37,5 @@ WITH cand AS (
 SELECT (SELECT count(*) FROM cand)                           AS n_read,
        (SELECT count(*) FROM eligible)                       AS n_eligible,
        (SELECT id FROM cand ORDER BY id DESC LIMIT 1)::text  AS last_id,
-       ARRAY(SELECT id::text FROM suspect ORDER BY id)       AS suspect_ids,
-       ARRAY(SELECT id::text FROM locked ORDER BY id)        AS locked_ids
+       ARRAY(SELECT x.id::text FROM suspect x ORDER BY x.id) AS suspect_ids,
+       ARRAY(SELECT x.id::text FROM locked x ORDER BY x.id)  AS locked_ids

@@ -52,8 +52,8 @@ WITH cand AS (
 ), batch AS (
     SELECT count(*) AS n FROM cand
 )
-SELECT (SELECT n FROM batch)                           AS n_read,
-       (SELECT n FROM batch)                           AS n_eligible,
-       (SELECT id::text FROM last)                     AS last_id,
-       ARRAY(SELECT id::text FROM suspect ORDER BY id) AS suspect_ids,
-       ARRAY(SELECT id::text FROM locked ORDER BY id)  AS locked_ids
+SELECT (SELECT n FROM batch)                                 AS n_read,
+       (SELECT n FROM batch)                                 AS n_eligible,
+       (SELECT id::text FROM last)                           AS last_id,
+       ARRAY(SELECT x.id::text FROM suspect x ORDER BY x.id) AS suspect_ids,
+       ARRAY(SELECT x.id::text FROM locked x ORDER BY x.id)  AS locked_ids

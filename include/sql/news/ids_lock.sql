@@ -8,8 +8,8 @@ WITH locked AS (
      ORDER BY p.id
        FOR UPDATE OF p
 )
-SELECT cardinality(%(ids)s::uuid[])                     AS n_read,
-       (SELECT count(*) FROM locked)                    AS n_eligible,
-       NULL::text                                       AS last_id,
-       ARRAY(SELECT id::text FROM locked ORDER BY id)   AS suspect_ids,
-       ARRAY(SELECT id::text FROM locked ORDER BY id)   AS locked_ids
+SELECT cardinality(%(ids)s::uuid[])                         AS n_read,
+       (SELECT count(*) FROM locked)                        AS n_eligible,
+       NULL::text                                           AS last_id,
+       ARRAY(SELECT x.id::text FROM locked x ORDER BY x.id) AS suspect_ids,
+       ARRAY(SELECT x.id::text FROM locked x ORDER BY x.id) AS locked_ids
