@@ -85,14 +85,20 @@ def test_archived_posts_are_never_touched(news_db):
     assert news_db.post_row(archived) == before
 
 
+def _open_hot_path_comment(db, pid: str):
+    """A hot-path transaction left open: a new visible comment and the counter +1."""
+    hot_path = psycopg.connect(db.dsn)
+    hot_path.execute("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+                     "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())", (pid,))
+    hot_path.execute("UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s",
+                     (pid,))
+    return hot_path
+
+
 def test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost(news_db):
     hot = news_db.post(count=5, visible=3)  # drifted, and about to be written by the hot path
     other = news_db.post(count=7, visible=1)
-    hot_path = psycopg.connect(news_db.dsn)
-    hot_path.execute("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                     "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())", (hot,))
-    hot_path.execute("UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s",
-                     (hot,))
+    hot_path = _open_hot_path_comment(news_db, hot)
     try:
         s = assert_ok(run(FULL))  # the hot-path transaction is still open
     finally:
@@ -135,11 +141,7 @@ def test_a_correct_post_held_by_the_hot_path_is_verified_without_its_lock(news_d
     busy = news_db.post(count=4, visible=4, comments_at=now - timedelta(hours=1))
     drifted = news_db.post(count=9, visible=2, comments_at=now - timedelta(hours=1))
     before = news_db.post_row(busy)
-    hot_path = psycopg.connect(news_db.dsn)
-    hot_path.execute("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                     "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())", (busy,))
-    hot_path.execute("UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s",
-                     (busy,))
+    hot_path = _open_hot_path_comment(news_db, busy)
     try:
         s = assert_ok(run({"scope": scope}))  # the hot-path transaction is still open
         assert news_db.post_row(busy) == before  # the committed row, untouched by the run
