@@ -21,13 +21,17 @@ PLAN = re.compile(r"Planning Time: ([0-9.]+) ms")
 def _explain(cur, text: str, params: dict, opts: str = "ANALYZE, BUFFERS") -> dict:
     cur.execute(f"EXPLAIN ({opts}) {text}", params)
     plan = "\n".join(r[0] for r in cur.fetchall())
+    return _result(plan)
+
+
+def _result(plan: str) -> dict:
     m, p = EXEC.search(plan), PLAN.search(plan)
     return {"ms": float(m.group(1)) if m else None, "plan_ms": float(p.group(1)) if p else None,
             "plan": plan}
 
 
-def _generic(cur, text: str) -> str:
-    """The generic plan (what a prepared statement may switch to after 5 executions)."""
+def _numbered(text: str) -> tuple[str, list[str]]:
+    """The statement with its %(name)s parameters as $1, $2, ... and the names in that order."""
     names: list[str] = []
 
     def sub(m):
@@ -35,7 +39,12 @@ def _generic(cur, text: str) -> str:
             names.append(m.group(1))
         return f"${names.index(m.group(1)) + 1}"
 
-    numbered = re.sub(r"%\((\w+)\)s", sub, text).replace("%%", "%")
+    return re.sub(r"%\((\w+)\)s", sub, text).replace("%%", "%"), names
+
+
+def _generic(cur, text: str) -> str:
+    """The generic plan (what a prepared statement may switch to after 5 executions)."""
+    numbered, _ = _numbered(text)
     cur.execute("SAVEPOINT g")
     try:
         cur.execute("EXPLAIN (GENERIC_PLAN) " + numbered)
@@ -49,14 +58,7 @@ def _generic_analyze(cur, text: str, types: dict[str, str], params: dict) -> dic
     """EXPLAIN ANALYZE of the statement as a prepared statement under its generic plan."""
     from psycopg import sql as psql
 
-    names: list[str] = []
-
-    def sub(m):
-        if m.group(1) not in names:
-            names.append(m.group(1))
-        return f"${names.index(m.group(1)) + 1}"
-
-    numbered = re.sub(r"%\((\w+)\)s", sub, text).replace("%%", "%")
+    numbered, names = _numbered(text)
     cur.execute("DEALLOCATE ALL")
     cur.execute(f"PREPARE pin_bench_g ({', '.join(types[n] for n in names)}) AS {numbered}")
     cur.execute("SET LOCAL plan_cache_mode = force_generic_plan")
@@ -66,9 +68,7 @@ def _generic_analyze(cur, text: str, types: dict[str, str], params: dict) -> dic
     cur.execute(q.as_string(cur))
     plan = "\n".join(r[0] for r in cur.fetchall())
     cur.execute("DEALLOCATE pin_bench_g")
-    m, p = EXEC.search(plan), PLAN.search(plan)
-    return {"ms": float(m.group(1)) if m else None, "plan_ms": float(p.group(1)) if p else None,
-            "plan": plan}
+    return _result(plan)
 
 
 def _timed(cur, text: str, params: dict, n: int = 5) -> float:
