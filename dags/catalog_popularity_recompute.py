@@ -59,7 +59,10 @@ with DAG(
     doc_md=DOC_MD,
     tags=["pin-nightly", "catalog"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
-    default_args={"owner": "PIN Marketplace (Catalog squad)"},
+    default_args={"owner": "PIN Marketplace (Catalog squad)",
+                  # every failed task attempt counts in <job>_errors_total
+                  "on_failure_callback": catalog.task_failed,
+                  "on_retry_callback": catalog.task_failed},
     params={
         "window_days": Param(
             30, type="integer", minimum=1, maximum=catalog.MAXIMA["window_days"],

@@ -58,7 +58,10 @@ with DAG(
     tags=["pin-nightly", "news"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
     # retried reconcile_range resumes from its cursor.
-    default_args={"owner": "PIN Engagement"},
+    default_args={"owner": "PIN Engagement",
+                  # every failed task attempt counts in <job>_errors_total
+                  "on_failure_callback": news.task_failed,
+                  "on_retry_callback": news.task_failed},
     params={
         "scope": Param(
             "auto", enum=list(news.SCOPES),

@@ -169,21 +169,20 @@ def post_offsets(db: NewsDB) -> dict[str, int]:
 
 
 def reference_popularity_score(snaps: dict, d, w: int, h: float):
-    """score(D) = round(sum over snapshots in (D-W, D] of max(0, S_k - S_prev) * 2^(-(D-k)/H), 4),
-    S_prev the newest earlier snapshot with run_date >= D - W (none: a baseline, delta 0);
+    """score(D) = round(sum over snapshots k in (D-W, D] of max(0, S_k - S_prev) * 2^(-(D-k)/H), 4),
+    S_prev the newest earlier snapshot with run_date >= D - (W + 2) (none: a baseline, delta 0);
     computed in Python with 40-digit decimals, independently of the job's SQL."""
     from decimal import Decimal, localcontext
 
     with localcontext() as ctx:
         ctx.prec = 40
-        window = sorted((k, v) for k, v in snaps.items() if d - timedelta(days=w) <= k <= d)
+        history = sorted((k, v) for k, v in snaps.items() if d - timedelta(days=w + 2) <= k <= d)
         total = Decimal(0)
-        for i, (k, v) in enumerate(window):
-            if i == 0:
-                continue
+        for (_, prev), (k, v) in zip(history, history[1:]):
             age = (d - k).days
-            total += Decimal(max(0, v - window[i - 1][1])) * \
-                Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
+            if age < w:
+                total += Decimal(max(0, v - prev)) * \
+                    Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
         return total.quantize(Decimal("0.0001"))
 
 

@@ -7,12 +7,12 @@ import random
 import signal
 import threading
 from datetime import date, datetime, timedelta, timezone
-from decimal import Decimal, getcontext
+from decimal import Decimal
 
 import psycopg
 import pytest
 
-from tests.helpers import when
+from tests.helpers import reference_popularity_score as reference_score, when
 from tools.rundag import run_dag
 
 DAG = "catalog_popularity_recompute"
@@ -31,20 +31,6 @@ def run(conf=None, as_of: date = D, **kw):
 def assert_ok(r):
     assert r["state"] == "success", r["tasks"]
     return r["summary"]
-
-
-def reference_score(snaps: dict[date, int], d: date, w: int, h: float) -> Decimal:
-    """The spec's formula, computed independently in Python with 40-digit decimals."""
-    getcontext().prec = 40
-    window = sorted((k, v) for k, v in snaps.items() if d - timedelta(days=w) <= k <= d)
-    total = Decimal(0)
-    for i, (k, v) in enumerate(window):
-        if i == 0:
-            continue  # no predecessor in the window: a baseline
-        delta = max(0, v - window[i - 1][1])
-        age = (d - k).days
-        total += Decimal(delta) * Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
-    return total.quantize(Decimal("0.0001"))
 
 
 def test_empty_catalog_is_a_noop_success(catalog_db):

@@ -673,8 +673,12 @@ SPEC_ALERTS = {
     "catalog: no successful run for more than 26 h": _no_success(CATALOG),
     "catalog: errors_total rate > 0, sustained": lambda a, e: seconds(a.get("for")) > 0 and re.search(
         rf"\brate\(\s*{CATALOG}_errors_total\b[^)]*\)\s*>\s*0\b", e),
+    # the staleness measured now from the newest completely scored as_of_date (the gauge
+    # catalog_popularity_score_staleness_hours is the same age, frozen at the last run's end)
     "catalog: score staleness above 30 h": lambda a, e: _compares(
-        e, "catalog_popularity_score_staleness_hours", STALENESS_HOURS),
+        e, f"{CATALOG}_scored_date_timestamp_seconds[7d])) / 3600", STALENESS_HOURS),
+    "news: no completed FullSweep for its period + 1 day": lambda a, e: _compares(
+        e, f"{NEWS}_last_full_sweep_timestamp_seconds", 8 * 86400),
     "catalog: backlog not draining for 2 days": _backlog(CATALOG),
     "both: deadline misses": _deadline_misses,
 }

@@ -14,12 +14,12 @@ from typing import Any
 
 import pendulum
 
-from pin_nightly import keyset, metrics
+from pin_nightly import jobs, keyset, metrics
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly import lease as leases
 from pin_nightly.jobs import (
-    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease, run_identity,
-    run_range_task,
+    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease, rejoin_lease,
+    release_lease, run_identity, run_range_task,
 )
 
 log = logging.getLogger(__name__)
@@ -197,17 +197,24 @@ def make_batch(kind: str, opts: dict[str, Any]):
 def recompute_range(kind: str, rng: dict[str, Any], opts: dict[str, Any],
                     lease_data: dict[str, Any]) -> dict[str, Any]:
     """One mapped task: snapshot and rescore the cards of a keyset range."""
-    return run_range_task(JOB, METRIC, rng, lease_data, opts["batch_size"],
-                          make_batch(kind, opts))
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], make_batch(kind, opts))
+
+
+def retention_days(opts: dict[str, Any]) -> int:
+    """Days of history retention keeps (plus 2): never fewer than the nightly window needs, so
+    that a manual run with a smaller ``window_days`` cannot prune what tomorrow's scheduled run
+    reads; a run with a larger window keeps its own."""
+    return max(opts["window_days"], DEFAULTS["window_days"])
 
 
 def retention(opts: dict[str, Any], context: dict[str, Any]) -> int:
     """Delete the snapshots no window reads any more, in a transaction of its own."""
-    lease = lease_from_xcom(pull_lease(context))
-    if lease is None or opts["card_ids"]:
-        log.info("retention skipped (%s)", LOCK_HELD if lease is None else "targeted run")
+    if lease_from_xcom(pull_lease(context)) is None or opts["card_ids"]:
+        log.info("retention skipped (%s)", "targeted run" if opts["card_ids"] else LOCK_HELD)
         return 0
-    params = {"as_of": opts["as_of_date"], "window_days": opts["window_days"]}
+    lease = rejoin_lease(JOB, pull_lease(context))
+    keep = retention_days(opts)
+    params = {"as_of": opts["as_of_date"], "keep_days": keep}
     with connection(JOB.conn_id) as conn, transaction(conn) as cur:
         if leases.fence(cur, lease)[0]:
             log.warning("retention skipped: the run's deadline has passed")
@@ -222,15 +229,21 @@ def retention(opts: dict[str, Any], context: dict[str, Any]) -> int:
             cur.execute(sql("catalog/retention"), params)
             pruned = cur.rowcount
     log.info("retention: %d snapshot(s) older than %s - %d days %s", pruned,
-             opts["as_of_date"], opts["window_days"] + 2,
+             opts["as_of_date"], keep + 2,
              "would be pruned (dry run)" if opts["dry_run"] else "pruned")
     return pruned
 
 
 def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any]) -> dict[str, Any]:
-    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics."""
+    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
+
+    ``status`` is ``success`` only when both passes of ``as_of_date`` completed and no sweep is
+    left unfinished; the staleness figures come from the newest as_of_date whose passes all
+    completed, whichever run completed them.
+    """
     ident = run_identity(context)
-    lease = lease_from_xcom(pull_lease(context))
+    lease_data = pull_lease(context)
+    lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
         "status": "success", "as_of_date": opts["as_of_date"], "dry_run": opts["dry_run"],
         "property_object_cards_updated": 0, "project_cards_updated": 0,
@@ -238,30 +251,35 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
         "snapshots_written": 0, "snapshots_pruned": pruned or 0, "item_errors": 0,
         "property_object_cards_skipped_locked": 0, "project_cards_skipped_locked": 0,
         "backlog_remaining": False, "duration_ms": 0, "run_id": ident["run_id"],
-        "score_staleness_hours": None,
+        "scores_as_of_date": None, "score_staleness_hours": None, "unfinished_sweeps": [],
     }
-    prefix = {"PropertyObject": "property_object_cards", "Project": "project_cards"}
+    scored = None
     with connection(JOB.conn_id) as conn:
         if lease is None:
             result["status"] = LOCK_HELD
         else:
-            for t in keyset.finish_run(conn, JOB.code, ident["run_id"]):
-                p = prefix[t["scope"].split("@")[0]]
+            totals, unfinished = keyset.finish_run(conn, JOB.code, ident["run_id"])
+            for t in totals:
+                p = PREFIX[t["family"]]
                 result[f"{p}_updated"] += t["rows_changed"]
                 result[f"{p}_processed"] += t["rows_processed"]
                 result[f"{p}_skipped_locked"] += t["skipped_locked"]
                 result["snapshots_written"] += t["rows_written"]
                 result["item_errors"] += t["item_errors"]
-                result["backlog_remaining"] |= t["sweep_status"] == "open"
+            result["unfinished_sweeps"] = [f"{u['scope']} (sweep {u['sweep_id']})"
+                                           for u in unfinished]
+            result["backlog_remaining"] = bool(unfinished)
             with transaction(conn) as cur:
                 newest = _backfill_guard(cur, opts)
-                cur.execute(sql("catalog/staleness"))
-                stale = cur.fetchone()[0]
+                cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
+                scored = fetch_one_dict(cur)
             if newest is not None:
                 result["status"] = f"nothing written: as_of_date older than snapshots of {newest}"
             elif result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
-            result["score_staleness_hours"] = round(float(stale), 3) if stale is not None else None
+            if scored is not None:
+                result["scores_as_of_date"] = scored["as_of_date"].isoformat()
+                result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
             result["duration_ms"] = elapsed_ms(lease)
             if opts["dry_run"]:  # nothing was written: report what would have been
                 result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
@@ -271,20 +289,35 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
     log.info("run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
              "ProjectCardsUpdated=%(project_cards_updated)s "
              "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
-             "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s", result)
-    if lease is not None and not opts["dry_run"]:
-        _emit(result)
+             "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
+             "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
+             result)
+    if lease is not None:
+        release_lease(JOB, lease_data)
+        if not opts["dry_run"]:
+            _emit(result, scored, targeted=bool(opts["card_ids"]))
     return result
 
 
-def _emit(result: dict[str, Any]) -> None:
+PREFIX = {"PropertyObject": "property_object_cards", "Project": "project_cards"}
+
+
+def _emit(result: dict[str, Any], scored: dict[str, Any] | None, targeted: bool) -> None:
     metrics.timing(f"{METRIC}_duration_seconds", result["duration_ms"])
-    for kind, p in (("PropertyObject", "property_object_cards"), ("Project", "project_cards")):
+    for kind, p in PREFIX.items():
         metrics.incr(f"{METRIC}_cards_total", result[f"{p}_processed"], tags={"card_kind": kind})
     metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_written"], tags={"op": "written"})
     metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_pruned"], tags={"op": "pruned"})
     metrics.incr(f"{METRIC}_errors_total", result["item_errors"])
     metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
-    if result["score_staleness_hours"] is not None:
-        metrics.gauge("catalog_popularity_score_staleness_hours", result["score_staleness_hours"])
-    metrics.last_success(METRIC)
+    if scored is not None:
+        metrics.gauge("catalog_popularity_score_staleness_hours", scored["staleness_hours"])
+        metrics.gauge(f"{METRIC}_scored_date_timestamp_seconds", scored["as_of_epoch"])
+    # success means the nightly work was done: both passes, nothing left, not a targeted run
+    if result["status"] == "success" and not targeted:
+        metrics.last_success(METRIC)
+
+
+def task_failed(context: dict[str, Any]) -> None:
+    """Every failed task attempt of the DAG counts in the errors metric."""
+    jobs.task_failed(METRIC, context)

@@ -75,8 +75,14 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], context: dict[str, Any]) ->
     holder = holder_of(context)
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
-        got = leases.acquire(conn, job.lock_key, holder, opts["lock_ttl_minutes"],
-                             opts["max_run_duration_minutes"])
+        try:
+            got = leases.acquire(conn, job.lock_key, holder, opts["lock_ttl_minutes"],
+                                 opts["max_run_duration_minutes"])
+        except BaseException:
+            # the lease may be written and this task still fail (the connection lost after the
+            # commit): the run's teardown does not run when its setup failed, so free it here
+            leases.release_holder(conn, job.lock_key, holder)
+            raise
     if isinstance(got, leases.LeaseHeld):
         log.warning("%s: %s (key=%s holder=%s expires_at=%s)", job.code, LOCK_HELD,
                     job.lock_key, got.holder, got.expires_at)
@@ -92,11 +98,12 @@ def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
         return None
     return leases.Lease.from_xcom({k: data[k] for k in
                                    ("lock_key", "holder", "token", "acquired_at",
-                                    "run_deadline_at")})
+                                    "run_deadline_at", "ttl_minutes", "max_run_minutes")})
 
 
 def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
-    """The teardown task: release the lease if this run holds it."""
+    """Release the lease if this run holds it: the teardown task, and the summary (the
+    teardown does not run again when only a run's failed tasks are cleared)."""
     lease = lease_from_xcom(lease_data)
     if lease is None:
         log.info("no lease was taken by this run: nothing to release")
@@ -108,6 +115,16 @@ def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
 def pull_lease(context: dict[str, Any]) -> dict[str, Any] | None:
     """The lease XCom of this run."""
     return context["ti"].xcom_pull(task_ids="acquire_lease")
+
+
+def task_failed(metric: str, context: dict[str, Any]) -> None:
+    """on_failure_callback / on_retry_callback of every task of a job's DAG: every failed task
+    attempt counts in ``<metric>_errors_total``, whichever task it is."""
+    ti = context.get("task_instance") or context.get("ti")
+    log.error("task failed: %s.%s map_index=%s try=%s: %s", getattr(ti, "dag_id", "?"),
+              getattr(ti, "task_id", "?"), getattr(ti, "map_index", "?"),
+              getattr(ti, "try_number", "?"), context.get("exception"))
+    metrics.incr(f"{metric}_errors_total")
 
 
 def elapsed_ms(lease: leases.Lease | None) -> int:
@@ -133,19 +150,21 @@ def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
     return sorted(set(out))
 
 
-def run_range_task(job: JobDef, metric: str, rng: dict[str, Any],
-                   lease_data: dict[str, Any], batch_size: int,
-                   batch: keyset.BatchFn) -> dict[str, Any]:
-    """Body of a mapped range task: work through the range, count errors, stop gracefully."""
+def rejoin_lease(job: JobDef, lease_data: dict[str, Any] | None) -> leases.Lease:
+    """The lease of this run, taken again when it is gone (see :func:`lease.rejoin`)."""
     lease = lease_from_xcom(lease_data)
     if lease is None:
         raise leases.LeaseLost("this run holds no lease; nothing may be written")
-    try:
-        with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
-            res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
-    except Exception:
-        metrics.incr(f"{metric}_errors_total")
-        raise
+    with connection(job.conn_id) as conn:
+        return leases.rejoin(conn, lease)
+
+
+def run_range_task(job: JobDef, rng: dict[str, Any], lease_data: dict[str, Any],
+                   batch_size: int, batch: keyset.BatchFn) -> dict[str, Any]:
+    """Body of a mapped range task: work through the range, stop gracefully."""
+    lease = rejoin_lease(job, lease_data)
+    with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
+        res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
     log.info("range %s %s: processed=%d changed=%d written=%d batches=%d skipped_locked=%d "
              "(retried %d) item_errors=%d", rng["label"], res.status, res.processed,
              res.changed, res.written, res.batches, res.skipped_locked, res.retried,

@@ -5,7 +5,12 @@ A *sweep* is one pass of a job over its scope. Planning splits the scope's ids i
 task loops over batches inside its range, one transaction per batch, advancing the range's
 cursor (the checkpoint) in the batch's own transaction, committed asynchronously (see
 ``common/async_commit.sql``). A run that stops at its time budget leaves the sweep open; the
-next run of the same scope adopts it and resumes from the cursors.
+next run of the same scope adopts it and resumes from the cursors, and so does the next run of
+any scope of a job that asks for it (``SweepSpec.resume_others``).
+
+Nothing is parked: every run first closes the sweeps whose ranges are all done (their own run's
+summary never ran) and abandons the unfinished sweeps that no run may adopt (targeted repairs
+and dry runs of other runs).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class SweepSpec:
     family: str  # sweeps of one family replace each other
     resumable: bool
     params: dict[str, Any] = field(default_factory=dict)
+    # also adopt the job's unfinished resumable sweeps of other scopes (after the own one)
+    resume_others: bool = False
 
 
 def range_label(rng: dict[str, Any]) -> str:
@@ -72,10 +79,22 @@ def open_sweep(conn, spec: SweepSpec, run_id: str,
     """Find, adopt or create the sweep of ``spec`` for ``run_id``; return it with its ranges.
 
     ``prepare(cur, sweep)`` runs once for a new sweep (e.g. materialize candidates);
-    ``plan(cur, sweep)`` returns ``(rows, inner_boundaries)`` for a new sweep.
+    ``plan(cur, sweep)`` returns ``(rows, inner_boundaries)`` for a new sweep. With
+    ``spec.resume_others`` the job's other unfinished resumable sweeps are adopted too and
+    returned under ``"others"``, oldest first.
     """
     base = {"job": spec.job, "scope": spec.scope, "family": spec.family, "run_id": run_id}
     with transaction(conn) as cur:
+        cur.execute(sql("common/sweep_close_finished"), {"job": spec.job, "keep_run_id": run_id})
+        for s in fetch_dicts(cur):
+            log.warning("sweep %s (%s) of run %s had all its ranges done but was never closed "
+                        "(its summary did not run): closed now", s["sweep_id"], s["scope"],
+                        s["run_id"])
+        cur.execute(sql("common/sweep_abandon_orphans"), base)
+        for s in fetch_dicts(cur):
+            log.warning("sweep %s (%s) of run %s was left unfinished and cannot be resumed by "
+                        "another run: abandoned (trigger that repair again if still needed)",
+                        s["sweep_id"], s["scope"], s["run_id"])
         cur.execute(sql("common/sweep_find_own"), base)
         sweep = fetch_one_dict(cur)
         adopted = False
@@ -105,22 +124,42 @@ def open_sweep(conn, spec: SweepSpec, run_id: str,
         elif adopted:
             log.info("sweep %s (%s) adopted from an earlier run: resuming from its cursors",
                      sweep["sweep_id"], spec.scope)
-        cur.execute(sql("common/sweep_ranges"), {"sweep_id": sweep["sweep_id"]})
-        sweep["ranges"] = fetch_dicts(cur)
         sweep["adopted"] = adopted
+        sweep["others"] = []
+        if spec.resume_others:
+            cur.execute(sql("common/sweep_adopt_unfinished"), base)
+            sweep["others"] = sorted(fetch_dicts(cur), key=lambda s: (s["started_at"],
+                                                                      s["sweep_id"]))
+            for other in sweep["others"]:
+                other["adopted"] = True
+                cur.execute(sql("common/sweep_adopt_ranges"),
+                            {"sweep_id": other["sweep_id"], "run_id": run_id})
+                log.info("sweep %s (%s) is unfinished: this run resumes it after its own",
+                         other["sweep_id"], other["scope"])
+        for s in [sweep, *sweep["others"]]:
+            cur.execute(sql("common/sweep_ranges"), {"sweep_id": s["sweep_id"]})
+            s["ranges"] = fetch_dicts(cur)
     return sweep
 
 
 def range_descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """Small descriptors of all ranges of the sweep, for ``expand``.
+    """Small descriptors of all ranges of the sweep (and of the ``others`` it resumes, labelled
+    by their own scope), for ``expand``.
 
     Ranges already done are included (their tasks return at once) so that a range keeps its
     map index when the planning task is cleared and re-run.
     """
     out = []
+    for s, pfx in [(sweep, prefix), *((o, o["family"]) for o in sweep.get("others", []))]:
+        out.extend(_descriptors(s, pfx))
+    return out
+
+
+def _descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    out = []
     for r in sweep["ranges"]:
         d = {"sweep_id": sweep["sweep_id"], "range_no": r["range_no"], "prefix": prefix,
-             "lower_id": r["lower_id"], "upper_id": r["upper_id"]}
+             "family": sweep["family"], "lower_id": r["lower_id"], "upper_id": r["upper_id"]}
         d["label"] = range_label(d)
         out.append(d)
     return out
@@ -291,16 +330,19 @@ def run_totals(conn, job: str, run_id: str) -> list[dict[str, Any]]:
         return fetch_dicts(cur)
 
 
-def finish_run(conn, job: str, run_id: str) -> list[dict[str, Any]]:
-    """What the run did, per sweep; sweeps whose ranges are all done are closed."""
+def finish_run(conn, job: str, run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Close the job's sweeps whose ranges are all done; return what this run did, per sweep,
+    and the sweeps still unfinished after it (the backlog)."""
     totals = run_totals(conn, job, run_id)
     with transaction(conn) as cur:
-        for t in totals:
-            if t["sweep_status"] == "open":
-                cur.execute(sql("common/sweep_close_if_done"), {"sweep_id": t["sweep_id"]})
-                if cur.fetchone() is not None:
-                    t["sweep_status"] = "done"
-    return totals
+        cur.execute(sql("common/sweep_close_finished"), {"job": job, "keep_run_id": None})
+        closed = {s["sweep_id"] for s in fetch_dicts(cur)}
+        cur.execute(sql("common/sweeps_unfinished"), {"job": job, "run_id": run_id})
+        unfinished = fetch_dicts(cur)
+    for t in totals:
+        if t["sweep_id"] in closed:
+            t["sweep_status"] = "done"
+    return totals, unfinished
 
 
 def write_run_log(conn, job: str, run_id: str, status: str, result: dict[str, Any],

@@ -3,7 +3,9 @@
 Airflow's ``max_active_runs=1`` and the job pool keep runs of one deployment apart; the lease
 keeps apart runs from anywhere (a second deployment, ``airflow dags test`` on a laptop). A run
 that finds the lease held is skipped, not failed. Workers check the lease at the start of every
-batch transaction (fencing) and renew it when less than half of its TTL is left.
+batch transaction (fencing) and renew it when less than half of its TTL is left. A task of a
+run whose lease is gone (released by the run's teardown after a failure, then the task cleared
+on its own) takes it again for its run unless another run holds it (:func:`rejoin`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 from pin_nightly.db import LeaseLost, fetch_one_dict, sql, transaction
 
-__all__ = ["Lease", "LeaseHeld", "LeaseLost", "acquire", "fence", "renew", "release"]
+__all__ = ["Lease", "LeaseHeld", "LeaseLost", "acquire", "fence", "rejoin", "renew", "release",
+           "release_holder"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,8 @@ class Lease:
     token: int
     acquired_at: str
     run_deadline_at: str
+    ttl_minutes: float
+    max_run_minutes: float
 
     def to_xcom(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,13 +61,40 @@ def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minute
             cur.execute(sql("common/lease_holder"), params)
             other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}
             return LeaseHeld(holder=other["holder"], expires_at=str(other["expires_at"]))
+    return _lease(row, params)
+
+
+def _lease(row: dict[str, Any], params: dict[str, Any]) -> Lease:
     return Lease(
-        lock_key=lock_key,
-        holder=holder,
+        lock_key=params["lock_key"],
+        holder=params["holder"],
         token=int(row["token"]),
         acquired_at=row["acquired_at"].isoformat(),
         run_deadline_at=row["run_deadline_at"].isoformat(),
+        ttl_minutes=params["ttl_minutes"],
+        max_run_minutes=params["max_run_minutes"],
     )
+
+
+def rejoin(conn, lease: Lease) -> Lease:
+    """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
+    another run holds it. A new lease (new token, new time budget) is logged."""
+    params = {"lock_key": lease.lock_key, "holder": lease.holder,
+              "ttl_minutes": lease.ttl_minutes, "max_run_minutes": lease.max_run_minutes}
+    with transaction(conn) as cur:
+        cur.execute(sql("common/lease_rejoin"), params)
+        row = fetch_one_dict(cur)
+        if row is None:
+            cur.execute(sql("common/lease_holder"), params)
+            other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}
+            raise LeaseLost(f"lease {lease.lock_key!r} is held by {other['holder']} (until "
+                            f"{other['expires_at']}); this run may not write")
+    got = _lease(row, params)
+    if got.token != lease.token:
+        log.warning("lease %s was no longer held by %s (token %s): taken again with token %s; "
+                    "run deadline %s", lease.lock_key, lease.holder, lease.token, got.token,
+                    got.run_deadline_at)
+    return got
 
 
 def fence(cur, lease: Lease) -> tuple[bool, bool]:
@@ -90,12 +122,16 @@ def renew(conn, lease: Lease) -> None:
 
 
 def release(conn, lease: Lease) -> bool:
+    return release_holder(conn, lease.lock_key, lease.holder)
+
+
+def release_holder(conn, lock_key: str, holder: str) -> bool:
+    """Release the lease if ``holder`` (a run) holds it, whatever its token."""
     with transaction(conn) as cur:
-        cur.execute(sql("common/lease_release"), {"lock_key": lease.lock_key, "token": lease.token})
+        cur.execute(sql("common/lease_release"), {"lock_key": lock_key, "holder": holder})
         released = cur.fetchone() is not None
     if released:
-        log.info("released lease %s (token %s)", lease.lock_key, lease.token)
+        log.info("released lease %s held by %s", lock_key, holder)
     else:
-        log.info("lease %s (token %s) was no longer ours: nothing to release",
-                 lease.lock_key, lease.token)
+        log.info("lease %s is not held by %s: nothing to release", lock_key, holder)
     return released

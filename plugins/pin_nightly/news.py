@@ -15,13 +15,13 @@ from typing import Any
 
 import pendulum
 
-from pin_nightly import keyset, metrics
+from pin_nightly import jobs, keyset, metrics
 from pin_nightly.db import (
     JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction,
 )
 from pin_nightly.jobs import (
     LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease,
-    run_identity, run_range_task,
+    release_lease, run_identity, run_range_task,
 )
 
 log = logging.getLogger(__name__)
@@ -159,9 +159,14 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
     ident = run_identity(context)
     scope = opts["effective_scope"]
     candidate_mode = scope != "FullSweep"
+    real = scope != "Targeted" and not opts["dry_run"]
+    # A real run also resumes every unfinished sweep of the other scope (a FullSweep stopped by
+    # its time budget is not parked until the next FullSweep night): its own sweep first, then
+    # the older ones, all within the run's one time budget. Targeted repairs and dry runs do
+    # only their own work.
     spec = keyset.SweepSpec(
-        job=JOB.code, scope=scope + (" (dry run)" if opts["dry_run"] else ""), family=scope,
-        resumable=scope != "Targeted" and not opts["dry_run"],
+        job=JOB.code, scope=sweep_scope(opts), family=scope, resumable=real,
+        resume_others=real,
         params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])})
 
     def prepare(cur, sweep):
@@ -188,12 +193,18 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
     with connection(JOB.conn_id) as conn:
         sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan, prepare)
     ranges = keyset.range_descriptors(sweep, scope)
-    cursors = {r["range_no"]: r["cursor_id"] or "start" for r in sweep["ranges"]
-               if r["status"] != "done"}
-    log.info("job started: run=%s scope=%s batch_size=%s sweep=%s%s ranges=%d cursors=%s "
-             "dry_run=%s", ident["run_id"], scope, opts["batch_size"], sweep["sweep_id"],
-             " (resumed)" if sweep["adopted"] else "", len(ranges), cursors, opts["dry_run"])
+    cursors = {f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
+               for s in [sweep, *sweep["others"]] for r in s["ranges"] if r["status"] != "done"}
+    log.info("job started: run=%s scope=%s batch_size=%s sweep=%s%s resumed_sweeps=%s "
+             "ranges=%d cursors=%s dry_run=%s", ident["run_id"], scope, opts["batch_size"],
+             sweep["sweep_id"], " (resumed)" if sweep["adopted"] else "",
+             [o["sweep_id"] for o in sweep["others"]], len(ranges), cursors, opts["dry_run"])
     return ranges
+
+
+def sweep_scope(opts: dict[str, Any]) -> str:
+    """The scope under which the run's own sweep is stored."""
+    return opts["effective_scope"] + (" (dry run)" if opts["dry_run"] else "")
 
 
 def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode: bool):
@@ -235,12 +246,16 @@ def reconcile_range(rng: dict[str, Any], opts: dict[str, Any],
                     lease_data: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
     """One mapped task: reconcile a keyset range batch by batch from its cursor."""
     batch = make_batch(opts, rng["sweep_id"], run_identity(context)["run_id"],
-                       candidate_mode=opts["effective_scope"] != "FullSweep")
-    return run_range_task(JOB, METRIC, rng, lease_data, opts["batch_size"], batch)
+                       candidate_mode=rng["family"] != "FullSweep")
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], batch)
 
 
 def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics."""
+    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
+
+    ``status`` is ``success`` only when no work is left: ``backlog_remaining`` (and that
+    status) whenever any sweep is unfinished after the run, whichever run left it.
+    """
     ident = run_identity(context)
     lease_data = pull_lease(context)
     lease = lease_from_xcom(lease_data)
@@ -249,38 +264,47 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
         "posts_reconciled": 0, "drift_corrected": 0, "drift_found": 0, "batches_processed": 0,
         "last_post_id": None, "backlog_remaining": False, "duration_ms": 0,
         "posts_skipped_locked": 0, "sweep_id": None, "run_id": ident["run_id"],
+        "sweeps": [], "unfinished_sweeps": [],
     }
+    completed: dict[str, float] = {}
     with connection(JOB.conn_id) as conn:
         if lease is None:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
         else:
-            totals = keyset.finish_run(conn, JOB.code, ident["run_id"])
-            _prune_candidates(conn, ident["run_id"])
+            totals, unfinished = keyset.finish_run(conn, JOB.code, ident["run_id"])
             for t in totals:
-                result["sweep_id"] = t["sweep_id"]
+                if t["scope"] == sweep_scope(opts):
+                    result["sweep_id"] = t["sweep_id"]
+                result["sweeps"].append({k: t[k] for k in (
+                    "sweep_id", "scope", "sweep_status", "rows_processed", "rows_changed")})
                 result["posts_reconciled"] += t["rows_processed"]
                 result["drift_found"] += t["rows_changed"]
                 result["batches_processed"] += t["batches"]
                 result["posts_skipped_locked"] += t["skipped_locked"]
-                result["backlog_remaining"] |= t["sweep_status"] == "open"
                 result["last_post_id"] = max(filter(None, [result["last_post_id"],
                                                            t["last_id"]]), default=None)
+            result["unfinished_sweeps"] = [f"{u['scope']} (sweep {u['sweep_id']})"
+                                           for u in unfinished]
+            result["backlog_remaining"] = bool(unfinished)
             # a dry run finds drift and corrects none
             result["drift_corrected"] = 0 if opts["dry_run"] else result["drift_found"]
             result["duration_ms"] = elapsed_ms(lease)
             if result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
+            _tidy(conn, ident["run_id"])
+            completed = _last_completed(conn)
         keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
                              lease.acquired_at if lease else None)
     log.info("job completed: posts_reconciled=%(posts_reconciled)s "
              "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
              "batches=%(batches_processed)s "
              "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
-             "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s",
-             result)
+             "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s "
+             "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s", result)
     if lease is not None:
-        _emit(result)
+        release_lease(JOB, lease_data)
+        _emit(result, completed)
         if result["drift_corrected"] > opts["drift_alert_threshold"]:
             from pin_nightly import alerts
 
@@ -288,14 +312,26 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _prune_candidates(conn, run_id: str) -> None:
+def _tidy(conn, run_id: str) -> None:
+    """Forget what no run needs any more: window candidates of finished sweeps, and skipped
+    posts that a completed sweep has covered since."""
     with transaction(conn) as cur:
         cur.execute(sql("news/prune_candidates"), {"job": JOB.code, "run_id": run_id})
         if cur.rowcount:
             log.info("deleted %d window candidates of finished sweeps", cur.rowcount)
+        cur.execute(sql("news/prune_skipped"), {"job": JOB.code})
+        if cur.rowcount:
+            log.info("forgot %d skipped posts that a completed sweep covered since",
+                     cur.rowcount)
 
 
-def _emit(result: dict[str, Any]) -> None:
+def _last_completed(conn) -> dict[str, float]:
+    with transaction(conn) as cur:
+        cur.execute(sql("common/sweeps_last_completed"), {"job": JOB.code})
+        return dict(cur.fetchall())
+
+
+def _emit(result: dict[str, Any], completed: dict[str, float]) -> None:
     if result["dry_run"]:
         return
     metrics.incr(f"{METRIC}_posts_reconciled_total", result["posts_reconciled"])
@@ -305,4 +341,15 @@ def _emit(result: dict[str, Any]) -> None:
     metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
     metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])
     metrics.gauge(f"{METRIC}_last_run_drift_corrected", result["drift_corrected"])
-    metrics.last_success(METRIC)
+    if "FullSweep" in completed:
+        metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
+    if "DailyWindow" in completed:
+        metrics.gauge(f"{METRIC}_last_daily_window_timestamp_seconds", completed["DailyWindow"])
+    # success means the nightly work was done: not a targeted repair, nothing left behind
+    if result["status"] == "success" and result["scope"] != "Targeted":
+        metrics.last_success(METRIC)
+
+
+def task_failed(context: dict[str, Any]) -> None:
+    """Every failed task attempt of the DAG counts in the errors metric."""
+    jobs.task_failed(METRIC, context)

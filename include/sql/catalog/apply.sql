@@ -4,8 +4,10 @@
 -- and updated_at only where the score changes.
 --   score(D) = round( sum over snapshots k with run_date in (D - W, D] of
 --                     max(0, S_k - S_prev(k)) * 2^(-(D - run_date_k) / H), 4)
--- S_prev(k) is the newest earlier snapshot of the card with run_date >= D - W; a snapshot
--- without one is a baseline (delta 0). Scores that do not fit numeric(12,4) are not written
+-- S_prev(k) is the newest earlier snapshot of the card within the retention horizon
+-- (run_date >= D - (W + 2)): a night at the window's edge that follows a missed night still
+-- finds it. A snapshot without one is a baseline (delta 0); snapshots older than the window
+-- only serve as predecessors (no weight). Scores that do not fit numeric(12,4) are not written
 -- and are returned as poison.
 WITH batch AS (
     SELECT b.card_id, b.views
@@ -23,7 +25,7 @@ WITH batch AS (
       FROM catalog.popularity_daily_views s
      WHERE s.card_kind = %(kind)s
        AND s.card_id IN (SELECT card_id FROM batch)
-       AND s.run_date >= %(as_of)s::date - %(window_days)s
+       AND s.run_date >= %(as_of)s::date - (%(window_days)s + 2)
        AND s.run_date < %(as_of)s::date
     UNION ALL
     SELECT card_id, %(as_of)s::date, views FROM batch

@@ -1,5 +1,5 @@
 -- What this run did, from the counters of the ranges it owned.
-SELECT r.sweep_id, s.scope, s.status AS sweep_status,
+SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
        count(*)                                   AS ranges,
        count(*) FILTER (WHERE r.status = 'done')  AS ranges_done,
        coalesce(sum(r.rows_processed), 0)::bigint AS rows_processed,
@@ -11,5 +11,5 @@ SELECT r.sweep_id, s.scope, s.status AS sweep_status,
        max(r.cursor_id::text)                     AS last_id
   FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
  WHERE s.job = %(job)s AND r.run_id = %(run_id)s
- GROUP BY r.sweep_id, s.scope, s.status
+ GROUP BY r.sweep_id, s.scope, s.family, s.status
  ORDER BY r.sweep_id

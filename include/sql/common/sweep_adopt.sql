@@ -3,4 +3,4 @@
 UPDATE pin_nightly.sweep
    SET run_id = %(run_id)s
  WHERE job = %(job)s AND scope = %(scope)s AND status = 'open' AND resumable
-RETURNING sweep_id, scope, resumable, params, started_at
+RETURNING sweep_id, scope, family, resumable, params, started_at

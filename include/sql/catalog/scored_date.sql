@@ -1,0 +1,15 @@
+-- The newest as_of_date whose passes all completed in real runs (no dry run, no targeted
+-- recompute): every card's score is computed for it. Its age is the staleness of the scores,
+-- whatever the runs since then did (failed, backlog, backfill guard).
+SELECT (params ->> 'as_of_date')::date AS as_of_date,
+       extract(epoch FROM (params ->> 'as_of_date')::date::timestamp AT TIME ZONE 'UTC')::float8
+           AS as_of_epoch,
+       extract(epoch FROM clock_timestamp()
+               - (params ->> 'as_of_date')::date::timestamp AT TIME ZONE 'UTC')::float8 / 3600.0
+           AS staleness_hours
+  FROM pin_nightly.sweep
+ WHERE job = %(job)s AND status = 'done' AND resumable
+ GROUP BY params ->> 'as_of_date'
+HAVING count(DISTINCT family) = %(passes)s
+ ORDER BY 1 DESC
+ LIMIT 1
