@@ -26,10 +26,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
-    news_db.post(count=5, visible=3)
-    card = catalog_db.card(views=9)
-    catalog_db.seed_snapshot(card, date.today() - timedelta(days=1), 4)
+def statsd_packets(script: str) -> list[str]:
+    """Run ``script`` (a Python program using this repository) in a process of its own with
+    Airflow's StatsD metrics sent to a local UDP listener; return the lines it received."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.settimeout(0.5)
@@ -51,12 +50,20 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
            "AIRFLOW__METRICS__STATSD_PORT": str(sock.getsockname()[1]),
            "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
            "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=str(REPO))], env=env,
+    out = subprocess.run([sys.executable, "-c", script.format(repo=str(REPO))], env=env,
                          capture_output=True, text=True, timeout=300)
     stop.set()
     t.join(5)
     sock.close()
     assert out.returncode == 0, out.stderr[-3000:]
+    return packets
+
+
+def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
+    news_db.post(count=5, visible=3)
+    card = catalog_db.card(views=9)
+    catalog_db.seed_snapshot(card, date.today() - timedelta(days=1), 4)
+    packets = statsd_packets(SCRIPT)
     text = "\n".join(packets)
     for line in ("airflow.news_comment_reconcile_posts_reconciled_total:1|c",
                  "airflow.news_comment_reconcile_errors_total:0|c",
@@ -68,6 +75,49 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
         assert line in text, f"{line} not in {packets[:50]}"
     for name in ("airflow.news_comment_reconcile_run_duration_ms:",
                  "airflow.news_comment_reconcile_last_success_timestamp_seconds:",
+                 "airflow.news_comment_reconcile_last_full_sweep_timestamp_seconds:",
                  "airflow.catalog_popularity_score_staleness_hours:",
+                 "airflow.catalog_popularity_recompute_scored_date_timestamp_seconds:",
+                 "airflow.catalog_popularity_recompute_last_success_timestamp_seconds:",
                  "airflow.catalog_popularity_recompute_duration_seconds:"):
         assert name in text, f"{name} not in {packets[:50]}"
+
+
+FAILURES = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    sys.path.insert(0, {repo!r})
+    from tools import devenv
+    devenv.apply_airflow_env(Path(os.environ["PIN_TEST_HOME"]))
+    from tools.rundag import run_dag
+    from pin_nightly import catalog, news
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    real_plan, real_summarize = news.plan_ranges, catalog.summarize
+    news.plan_ranges, catalog.summarize = broken, broken
+    assert run_dag("news_comment_reconcile", {{"scope": "FullSweep"}})["state"] == "failed"
+    assert run_dag("catalog_popularity_recompute", {{}})["state"] == "failed"
+    news.plan_ranges, catalog.summarize = real_plan, real_summarize
+    # a run that stops at its time budget ends green but is not a success
+    r = run_dag("news_comment_reconcile", {{"scope": "FullSweep", "batch_size": 1,
+                                          "max_run_duration_minutes": 0.0001}})
+    assert r["state"] == "success" and r["summary"]["status"] == "backlog_remaining", r
+""")
+
+
+def test_every_failed_task_counts_and_only_finished_work_is_a_success(news_db, catalog_db):
+    """A failure in a task that is not a range task (news plan_ranges, the popularity summary)
+    counts in errors_total; a news run that leaves its sweep unfinished reports the backlog
+    and refreshes neither the last-success nor the last-FullSweep gauge."""
+    news_db.posts(3, drift_every=1)
+    catalog_db.card(views=9)
+    text = "\n".join(statsd_packets(FAILURES))
+    assert "airflow.news_comment_reconcile_errors_total:1|c" in text
+    assert "airflow.catalog_popularity_recompute_errors_total:1|c" in text
+    assert "airflow.news_comment_reconcile_backlog_remaining:1|g" in text
+    for name in ("news_comment_reconcile_last_success_timestamp_seconds",
+                 "news_comment_reconcile_last_full_sweep_timestamp_seconds",
+                 "catalog_popularity_recompute_last_success_timestamp_seconds"):
+        assert f"airflow.{name}:" not in text

@@ -101,6 +101,122 @@ RECOVERIES = ["clear_failed", "clear_task", "clear_run", "next_night", "dry_run"
               "other_window"]
 
 
+# ====================================================================== defects, one by one
+
+def _hide_one_comment(db, pid: str) -> None:
+    """A moderator hides a visible comment now and the counter is not decremented (drift +1
+    with fresh comment activity: a DailyWindow sees it)."""
+    db.q("UPDATE news.comments SET status = 'HiddenByModerator', updated_at = now() "
+         "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s AND status = 'Visible' "
+         "LIMIT 1)", pid)
+
+
+@pytest.mark.parametrize("scope", ["FullSweep", "DailyWindow"])
+def test_news_a_sweep_whose_summary_never_ran_does_not_park_later_drift(news_db, monkeypatch,
+                                                                       scope):
+    now = datetime.now(timezone.utc)
+    ids = [news_db.post(count=4, visible=4, comments_at=now - timedelta(hours=3))
+           for _ in range(6)]
+    conf = {"scope": scope, "batch_size": 2}
+    assert run_dag(NEWS, conf)["summary"]["status"] == "success"
+    _hide_one_comment(news_db, ids[0])
+    inject(monkeypatch, "pin_nightly.news.summarize", "before")
+    dead = run_dag(NEWS, conf)
+    assert dead["state"] == "failed" and dead["tasks"]["summarize"] == "failed"
+    assert news_db.drifted_posts() == 0  # every range finished before the summary died
+    monkeypatch.undo()
+    _hide_one_comment(news_db, ids[1])
+    _hide_one_comment(news_db, ids[2])
+    for _ in range(2):
+        s = run_dag(NEWS, conf)["summary"]
+        assert s["status"] == "success" and s["backlog_remaining"] is False, s
+        assert news_db.drifted_posts() == 0
+    assert news_db.q("SELECT count(*) FROM pin_nightly.sweep WHERE status = 'open'") == [(0,)]
+    assert sorted(r[0] for r in news_db.q("SELECT post_id::text FROM pin_nightly.news_drift")) \
+        == sorted(ids[:3])
+
+
+def test_news_a_full_sweep_stopped_by_its_budget_is_resumed_by_the_next_daily_window(news_db):
+    from tests.helpers import when
+
+    ids = news_db.posts(60, drift_every=3)  # quiet drift: only a FullSweep reaches it
+    conf = {"batch_size": 2, "max_ranges": 1}
+    when(lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
+         >= 3, lambda: news_db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()"))
+    s1 = run_dag(NEWS, {**conf, "scope": "FullSweep"})["summary"]
+    assert s1["status"] == "backlog_remaining" and 0 < s1["posts_reconciled"] < 60
+    # a DailyWindow night whose budget is over at once: the FullSweep is still owed, and the
+    # result, the run log and the metric say so
+    r2 = run_dag(NEWS, {**conf, "scope": "DailyWindow", "max_run_duration_minutes": 0.0001})
+    s2 = r2["summary"]
+    assert s2["backlog_remaining"] is True and s2["status"] == "backlog_remaining"
+    assert any(u.startswith("FullSweep") for u in s2["unfinished_sweeps"]), s2
+    assert news_db.one("SELECT status FROM pin_nightly.run_log WHERE run_id = %s",
+                       r2["run_id"]) == "backlog_remaining"
+    # the next DailyWindow night finishes the FullSweep from its cursor
+    s3 = run_dag(NEWS, {**conf, "scope": "DailyWindow"})["summary"]
+    assert s3["status"] == "success" and s3["backlog_remaining"] is False, s3
+    assert news_db.drifted_posts() == 0
+    assert s1["posts_reconciled"] + s3["posts_reconciled"] == 60  # nothing read twice
+    assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 20
+    assert news_db.q("SELECT scope, status FROM pin_nightly.sweep WHERE scope = 'FullSweep'") \
+        == [("FullSweep", "done")]
+
+
+def test_news_skipped_posts_are_forgotten_once_a_completed_sweep_covered_them(news_db):
+    import psycopg
+
+    archived = news_db.post(count=5, visible=2, status="Archived")
+    fixed_outside = news_db.post(count=2, visible=2)
+    still_locked = news_db.post(count=5, visible=2)
+    news_db.q("CREATE SCHEMA IF NOT EXISTS pin_nightly")
+    run_dag(NEWS, {"post_ids": [fixed_outside], "dry_run": True})  # creates the job's tables
+    news_db.q("INSERT INTO pin_nightly.news_skipped_post (post_id, skipped_at) "
+              "SELECT unnest(%s::uuid[]), now() - interval '1 day'",
+              [archived, fixed_outside, still_locked])
+    hot_path = psycopg.connect(news_db.dsn)
+    hot_path.execute("SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE", (still_locked,))
+    try:
+        s = run_dag(NEWS, {"scope": "DailyWindow"})["summary"]
+    finally:
+        hot_path.rollback()
+        hot_path.close()
+    assert s["status"] == "success" and s["posts_skipped_locked"] == 1
+    assert news_db.q("SELECT post_id::text FROM pin_nightly.news_skipped_post") == \
+        [(still_locked,)]
+    run_dag(NEWS, {"scope": "DailyWindow"})
+    assert news_db.q("SELECT count(*) FROM pin_nightly.news_skipped_post") == [(0,)]
+    assert news_db.count(still_locked) == 2 and news_db.count(archived) == 5
+
+
+def test_catalog_growth_across_a_missed_night_at_the_window_edge_is_scored(catalog_db):
+    card = catalog_db.card(views=200)
+    catalog_db.seed_snapshot(card, D - timedelta(days=31), 100)
+    catalog_db.seed_snapshot(card, D - timedelta(days=29), 200)  # D-30 missed
+    s = run_dag(CATALOG, {}, logical_date=night(D), run_after=night(D))["summary"]
+    assert s["status"] == "success"
+    # the growth of 100 belongs to night D-29, inside the window: 100 * 2^(-29/7)
+    assert str(catalog_db.score(card)) == "5.6608"
+
+
+def test_catalog_a_manual_run_with_a_small_window_keeps_the_nightly_history(catalog_db):
+    card = catalog_db.card(views=1000)
+    history = {D - timedelta(days=age): 1000 - 20 * age for age in range(40, 0, -1)}
+    for d, v in history.items():
+        catalog_db.seed_snapshot(card, d, v)
+    s = run_dag(CATALOG, {"window_days": 4}, logical_date=night(D), run_after=night(D))["summary"]
+    assert s["status"] == "success"
+    kept = [d for d, _ in catalog_db.snapshots(card)]
+    assert min(kept) == D - timedelta(days=W + 2)  # the nightly window's horizon, not 4 + 2
+    assert s["snapshots_pruned"] == 40 - (W + 2)
+    catalog_db.set_views(card, 1050)
+    nxt = D + timedelta(days=1)
+    assert run_dag(CATALOG, {}, logical_date=night(nxt), run_after=night(nxt))["state"] == \
+        "success"
+    full = {**history, D: 1000, nxt: 1050}
+    assert catalog_db.score(card) == reference_popularity_score(full, nxt, W, H)
+
+
 # ================================================================================== news
 
 def news_offsets(db) -> dict[str, int]:
