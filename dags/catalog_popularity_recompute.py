@@ -21,8 +21,10 @@ Nightly at 03:00 UTC: for every card that is not `Delisted` (property objects fi
 projects) snapshot the cumulative counter `popularity_views` into
 `catalog.popularity_daily_views` (one row per card and `as_of_date`) and recompute
 `popularity_score` = sum of the daily deltas of the last `window_days` days, each weighted by
-2^(-age / `half_life_days`), rounded to 4 places. Snapshots older than `window_days + 2` days
-are pruned at the end. `as_of_date` is the run's logical date in UTC (manual runs: the day they
+2^(-age / `half_life_days`), rounded to 4 places; a day's growth is measured from the card's
+previous snapshot up to `window_days + 2` days back. Snapshots older than
+`max(window_days, 30) + 2` days are pruned at the end (a manual run with a small window never
+prunes what the nightly run needs). `as_of_date` is the run's logical date in UTC (manual runs: the day they
 were triggered).
 
 **Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
@@ -36,11 +38,13 @@ failed `recompute_*` task resumes its range from its cursor.
   `Pin:lock:job:scheduled:catalog-popularity-recompute` (see `pin_nightly.job_lease`).
 - a `recompute_*` range failed (database down, lease lost): the batch in flight was rolled back
   and the passes after it wait; fix the cause and clear that task instance with its downstream
-  tasks (it resumes from its cursor), or let the next night recompute.
+  tasks (it resumes from its cursor), or let the next night recompute (a newer date supersedes
+  the unfinished pass). `status: success` means both passes completed and nothing is left;
+  `scores_as_of_date` is the newest date whose two passes completed.
 - `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
   numeric(12,4)); the log lists `card_kind` and `card_id` at ERROR. Fix the data; the next
   run picks them up.
-- scores stale (`catalog_popularity_score_staleness_hours` > 30): no successful run lately.
+- scores stale (`scores_as_of_date` more than 30 h old): no run completed both passes lately.
 
 Targeted recompute: trigger with `{"card_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
 Full runbook: README.md, section "Runbook".

@@ -24,9 +24,11 @@ back), or a **FullSweep** of every non-archived post on nights matching `full_sw
 (Sundays by default). Only `comments_count` and `updated_at` of drifted posts are written.
 
 **Safe to re-run?** Yes. The recount is absolute; a second run on the same data corrects 0.
-Progress lives in PostgreSQL (`pin_nightly.sweep_range` cursors): clearing a failed
-`reconcile_range` task resumes its range from its cursor; a run stopped by
-`max_run_duration_minutes` is resumed by the next run.
+Progress lives in PostgreSQL (`pin_nightly.sweep_range` cursors): clearing a failed task (on
+its own, with "only failed", or the whole run) resumes each range from its cursor. A sweep left
+unfinished (time budget, a lost worker, a summary that never ran) is finished by the next run
+of either scope, after its own work; until then every run says `status: backlog_remaining`
+and names it in `unfinished_sweeps`. `success` means nothing is left behind.
 
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
@@ -37,8 +39,9 @@ Progress lives in PostgreSQL (`pin_nightly.sweep_range` cursors): clearing a fai
   clear that task instance: it resumes from its cursor.
 - `drift_corrected` above `drift_alert_threshold`: a bug in the hot-path increment; the job
   treats the symptom. `pin_nightly.news_drift` lists every correction.
-- backlog not draining: raise `batch_size` / `max_run_duration_minutes`, add pool slots,
-  look for long-held row locks.
+- backlog not draining (`backlog_remaining` night after night, no completed FullSweep for 8
+  days): raise `max_run_duration_minutes` (and `lock_ttl_minutes`), add pool slots, look for
+  long-held row locks.
 
 Targeted repair: trigger with `{"post_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
 Full runbook: README.md, section "Runbook".
