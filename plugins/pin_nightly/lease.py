@@ -48,12 +48,27 @@ class LeaseHeld:
 
 def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minutes: float):
     """Take the lease; return :class:`Lease`, or :class:`LeaseHeld` when someone else has it."""
-    params = {
-        "lock_key": lock_key,
-        "holder": holder,
-        "ttl_minutes": ttl_minutes,
-        "max_run_minutes": max_run_minutes,
-    }
+    return _take(conn, {"lock_key": lock_key, "holder": holder, "ttl_minutes": ttl_minutes,
+                        "max_run_minutes": max_run_minutes, "keep_live": False})
+
+
+def rejoin(conn, lease: Lease) -> Lease:
+    """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
+    another run holds it. A new lease (new token, new time budget) is logged."""
+    got = _take(conn, {"lock_key": lease.lock_key, "holder": lease.holder,
+                       "ttl_minutes": lease.ttl_minutes,
+                       "max_run_minutes": lease.max_run_minutes, "keep_live": True})
+    if isinstance(got, LeaseHeld):
+        raise LeaseLost(f"lease {lease.lock_key!r} is held by {got.holder} (until "
+                        f"{got.expires_at}); this run may not write")
+    if got.token != lease.token:
+        log.warning("lease %s was no longer held by %s (token %s): taken again with token %s; "
+                    "run deadline %s", lease.lock_key, lease.holder, lease.token, got.token,
+                    got.run_deadline_at)
+    return got
+
+
+def _take(conn, params: dict[str, Any]) -> "Lease | LeaseHeld":
     with transaction(conn) as cur:
         cur.execute(sql("common/lease_acquire"), params)
         row = fetch_one_dict(cur)
@@ -61,10 +76,6 @@ def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minute
             cur.execute(sql("common/lease_holder"), params)
             other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}
             return LeaseHeld(holder=other["holder"], expires_at=str(other["expires_at"]))
-    return _lease(row, params)
-
-
-def _lease(row: dict[str, Any], params: dict[str, Any]) -> Lease:
     return Lease(
         lock_key=params["lock_key"],
         holder=params["holder"],
@@ -74,27 +85,6 @@ def _lease(row: dict[str, Any], params: dict[str, Any]) -> Lease:
         ttl_minutes=params["ttl_minutes"],
         max_run_minutes=params["max_run_minutes"],
     )
-
-
-def rejoin(conn, lease: Lease) -> Lease:
-    """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
-    another run holds it. A new lease (new token, new time budget) is logged."""
-    params = {"lock_key": lease.lock_key, "holder": lease.holder,
-              "ttl_minutes": lease.ttl_minutes, "max_run_minutes": lease.max_run_minutes}
-    with transaction(conn) as cur:
-        cur.execute(sql("common/lease_rejoin"), params)
-        row = fetch_one_dict(cur)
-        if row is None:
-            cur.execute(sql("common/lease_holder"), params)
-            other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}
-            raise LeaseLost(f"lease {lease.lock_key!r} is held by {other['holder']} (until "
-                            f"{other['expires_at']}); this run may not write")
-    got = _lease(row, params)
-    if got.token != lease.token:
-        log.warning("lease %s was no longer held by %s (token %s): taken again with token %s; "
-                    "run deadline %s", lease.lock_key, lease.holder, lease.token, got.token,
-                    got.run_deadline_at)
-    return got
 
 
 def fence(cur, lease: Lease) -> tuple[bool, bool]:
