@@ -40,7 +40,7 @@ constraints:
 
 # Stop `make airflow` (and with it the embedded PostgreSQL it started).
 stop:
-	@if [ -f .airflow/standalone.pid ]; then kill $$(cat .airflow/standalone.pid) && echo "stopping Airflow"; \
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m tools.airflow_up stop; \
 	else echo "make airflow is not running"; fi
 
 clean: stop
