@@ -52,7 +52,8 @@ Full runbook: README.md, section "Runbook".
 
 with DAG(
     dag_id="catalog_popularity_recompute",
-    description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog cards",
+    description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
+                "cards, at 03:00 UTC",
     schedule=CronTriggerTimetable("0 3 * * *", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
@@ -70,27 +71,32 @@ with DAG(
     params={
         "window_days": Param(
             30, type="integer", minimum=1, maximum=catalog.MAXIMA["window_days"],
-            description="Window W in days"),
+            description=f"Window W in days, an integer from 1 to {catalog.MAXIMA['window_days']} "
+                        "(retention always keeps the nightly 30 days + 2)"),
         "half_life_days": Param(
             7, type="number", exclusiveMinimum=0,
-            description="Half-life H of a day's views, in days"),
+            description="Half-life H of a day's views, in days (a number > 0)"),
         "batch_size": Param(
             1000, type="integer", minimum=1, maximum=catalog.MAXIMA["batch_size"],
-            description="Cards per batch"),
+            description=f"Cards per batch, an integer from 1 to {catalog.MAXIMA['batch_size']}"),
         "max_run_duration_minutes": Param(
             30, type="number", exclusiveMinimum=0,
             maximum=catalog.MAXIMA["max_run_duration_minutes"],
-            description="No batch starts later than this after the lease is taken"),
+            description=f"Time budget: no batch starts later than this after the lease is "
+                        f"taken; minutes, more than 0 and at most "
+                        f"{catalog.MAXIMA['max_run_duration_minutes']}"),
         "lock_ttl_minutes": Param(
             45, type="number", exclusiveMinimum=0, maximum=catalog.MAXIMA["lock_ttl_minutes"],
-            description="Lease TTL; must exceed max_run_duration_minutes"),
+            description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
         "card_ids": Param(
             [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
-            description="Targeted recompute of just these cards (either kind)"),
+            description="Targeted recompute of just these cards (either kind): one uuid per "
+                        "line, e.g. 0190a000-0000-7000-8000-000000000000"),
         "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
         "max_ranges": Param(
             8, type="integer", minimum=1, maximum=64,
-            description="Upper bound of keyset ranges (mapped tasks) per pass"),
+            description="Upper bound of keyset ranges (mapped tasks) per pass, an integer from "
+                        "1 to 64"),
     },
 ) as dag:
 

@@ -49,7 +49,8 @@ Full runbook: README.md, section "Runbook".
 
 with DAG(
     dag_id="news_comment_reconcile",
-    description="Nightly recount of news.posts.comments_count from visible comments",
+    description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
+                "Europe/Moscow (00:00 UTC, as the UI shows it)",
     schedule=CronTriggerTimetable("0 3 * * *", timezone="Europe/Moscow"),
     start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
     catchup=False,
@@ -68,35 +69,41 @@ with DAG(
     params={
         "scope": Param(
             "auto", enum=list(news.SCOPES),
-            description="auto = FullSweep on nights matching full_sweep_cron (Europe/Moscow), "
-                        "else DailyWindow"),
+            description="auto (FullSweep on nights matching full_sweep_cron in Europe/Moscow, "
+                        "else DailyWindow), DailyWindow or FullSweep"),
         "full_sweep_cron": Param(
             "0 3 * * 0", type="string",
-            description="Nights (Europe/Moscow) on which auto means FullSweep"),
+            description="A 5-field cron expression, read in Europe/Moscow: the nights on which "
+                        "auto means FullSweep (default: Sundays)"),
         "batch_size": Param(
             2000, type="integer", minimum=1, maximum=news.MAXIMA["batch_size"],
-            description="Posts checked per batch; only those that look drifted are locked "
+            description=f"Posts checked per batch, an integer from 1 to "
+                        f"{news.MAXIMA['batch_size']}; only those that look drifted are locked "
                         "(the spec's 500 is 1.6x slower, see README Performance)"),
         "window_lookback_hours": Param(
             26, type="number", exclusiveMinimum=0, maximum=news.MAXIMA["window_lookback_hours"],
-            description="DailyWindow: minimal look-back"),
+            description=f"DailyWindow: minimal look-back in hours, more than 0 and at most "
+                        f"{news.MAXIMA['window_lookback_hours']}"),
         "max_run_duration_minutes": Param(
             20, type="number", exclusiveMinimum=0,
             maximum=news.MAXIMA["max_run_duration_minutes"],
-            description="No batch starts later than this after the lease is taken"),
+            description=f"Time budget: no batch starts later than this after the lease is "
+                        f"taken; minutes, more than 0 and at most "
+                        f"{news.MAXIMA['max_run_duration_minutes']}"),
         "lock_ttl_minutes": Param(
             30, type="number", exclusiveMinimum=0, maximum=news.MAXIMA["lock_ttl_minutes"],
-            description="Lease TTL; must exceed max_run_duration_minutes"),
+            description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
         "drift_alert_threshold": Param(
             1000, type="integer", minimum=0,
-            description="Alert when a run corrects more posts"),
+            description="Alert when a run corrects more posts than this (an integer >= 0)"),
         "post_ids": Param(
             [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
-            description="Targeted repair of just these posts"),
+            description="Targeted repair of just these posts: one uuid per line, e.g. "
+                        "0190a000-0000-7000-8000-000000000000; leave scope at auto"),
         "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
         "max_ranges": Param(
             8, type="integer", minimum=1, maximum=64,
-            description="Upper bound of keyset ranges (mapped tasks)"),
+            description="Upper bound of keyset ranges (mapped tasks), an integer from 1 to 64"),
     },
 ) as dag:
 
