@@ -70,6 +70,9 @@ def stack(pg_admin):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
         # every news run misses its run budget: proves the deadline path end to end
         "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
+        # a worker lost without a word is failed after 30 s instead of 5 minutes
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
     })
     s = Stack(home, env).start()
     try:
@@ -158,3 +161,51 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     assert [n for _, n in rows] == [20, 20, 20]  # the range resumed; nothing was read twice
     assert db.drifted_posts() == 0
     assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
+
+
+def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
+    """The task process of a range is SIGKILLed while its batch is in flight (held by a trigger
+    that waits for an advisory lock the test holds). Airflow fails the task; the data team then
+    clears the run's failed tasks ("only failed": acquire_lease is not re-run, so the range takes
+    the run's lease again). The run ends successful, every post exact, each corrected once."""
+    import os
+    import signal
+
+    import psutil
+
+    db = stack.news
+    db.q("TRUNCATE news.posts, news.comments")
+    ids = db.posts(40, drift_every=1)
+    helpers.install_gate(db, "news.posts", ids[27])
+    gate = psycopg.connect(db.dsn, autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
+    try:
+        run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 4, "max_ranges": 2})
+        helpers.wait_for(lambda: helpers.gate_waiter(db), timeout=120,
+                         what="a batch held at the gate")
+        tis = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{run_id}/taskInstances?limit=100")
+        running = [t["id"] for t in tis["task_instances"]
+                   if t["task_id"] == "reconcile_range" and t["state"] == "running"]
+        assert len(running) == 1, tis
+        victims = [p for p in psutil.process_iter(["cmdline"])
+                   if any(running[0] in part for part in (p.info["cmdline"] or []))]
+        assert victims, f"no task process titled with {running[0]}"
+        for p in victims:
+            os.kill(p.pid, signal.SIGKILL)
+    finally:
+        gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
+        gate.close()
+        helpers.remove_gate(db, "news.posts")
+    assert stack.wait_run(NEWS, run_id) == "failed"
+    assert db.drifted_posts() > 0
+    stack.request("POST", f"/api/v2/dags/{NEWS}/clearTaskInstances", {
+        "dry_run": False, "only_failed": True, "dag_run_id": run_id})
+    assert stack.wait_run(NEWS, run_id) == "success"
+    assert db.drifted_posts() == 0
+    sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
+    assert db.q("SELECT count(*), count(DISTINCT post_id) FROM pin_nightly.news_drift "
+                "WHERE sweep_id = %s", sweep) == [(40, 40)]
+    assert db.q("SELECT status FROM pin_nightly.sweep WHERE sweep_id = %s", sweep) == [("done",)]
+    assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
+    summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
+    assert summary["status"] == "success" and summary["backlog_remaining"] is False
