@@ -742,3 +742,50 @@ def test_dashboard_shows_every_emitted_metric(dashboard, emitted):
              for m in parse_promql(t.get("expr", "")).metrics if m in series}
     missing = set(emitted) - shown
     assert not missing, f"emitted but on no dashboard panel: {sorted(missing)}"
+
+
+# ---------------------------------------------------------------------- promtool behaviour
+def _promtool() -> str:
+    import shutil
+
+    exe = shutil.which("promtool")
+    if exe is None:
+        print("\n[skip] promtool is not installed (Debian package prometheus; .ci/run installs "
+              "it when CI=true)")
+        pytest.skip("promtool is not installed (Debian package prometheus)")
+    return exe
+
+
+def test_promtool_checks_the_rules():
+    import subprocess
+
+    out = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_alert_fires_when_it_must_and_not_otherwise(tmp_path, alerts):
+    """``promtool test rules`` over include/monitoring/prometheus/alerts.test.yml, against a
+    copy of the rules without annotations (their texts are checked above); every alert has a
+    case where it fires and one where it must not."""
+    import shutil
+    import subprocess
+
+    exe = _promtool()
+    doc = yaml.safe_load(ALERTS.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(doc))
+    tests_file = PROM_DIR / "alerts.test.yml"
+    shutil.copy(tests_file, tmp_path / "alerts.test.yml")
+    out = subprocess.run([exe, "test", "rules", "alerts.test.yml"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    cases = [t for group in yaml.safe_load(tests_file.read_text())["tests"]
+             for t in group["alert_rule_test"]]
+    firing = {t["alertname"] for t in cases if t.get("exp_alerts")}
+    quiet = {t["alertname"] for t in cases if not t.get("exp_alerts")}
+    names = {a["alert"] for a in alerts}
+    assert names <= firing, f"alerts never tested firing: {names - firing}"
+    assert names <= quiet, f"alerts never tested quiet: {names - quiet}"
