@@ -70,6 +70,7 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
                  "airflow.catalog_popularity_recompute_errors_total:0|c",
                  "airflow.news_comment_reconcile_drift_corrected_total:1|c",
                  "airflow.news_comment_reconcile_backlog_remaining:0|g",
+                 "airflow.news_comment_reconcile_drift_alert_threshold:1000|g",
                  "airflow.catalog_popularity_recompute_snapshots_total,op=written:1|c",
                  "airflow.catalog_popularity_recompute_cards_total,card_kind=PropertyObject:1|c"):
         assert line in text, f"{line} not in {packets[:50]}"

@@ -304,7 +304,7 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
              "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s", result)
     if lease is not None:
         release_lease(JOB, lease_data)
-        _emit(result, completed)
+        _emit(result, completed, opts["drift_alert_threshold"])
         if result["drift_corrected"] > opts["drift_alert_threshold"]:
             from pin_nightly import alerts
 
@@ -331,7 +331,7 @@ def _last_completed(conn) -> dict[str, float]:
         return dict(cur.fetchall())
 
 
-def _emit(result: dict[str, Any], completed: dict[str, float]) -> None:
+def _emit(result: dict[str, Any], completed: dict[str, float], threshold: int) -> None:
     if result["dry_run"]:
         return
     metrics.incr(f"{METRIC}_posts_reconciled_total", result["posts_reconciled"])
@@ -341,6 +341,8 @@ def _emit(result: dict[str, Any], completed: dict[str, float]) -> None:
     metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
     metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])
     metrics.gauge(f"{METRIC}_last_run_drift_corrected", result["drift_corrected"])
+    # the run's threshold, so that the alert rule compares with it instead of a copied number
+    metrics.gauge(f"{METRIC}_drift_alert_threshold", threshold)
     if "FullSweep" in completed:
         metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
     if "DailyWindow" in completed:
