@@ -97,6 +97,38 @@ def recover(dag_id: str, how: str, failed: dict, conf: dict, later: datetime,
     return run_dag(dag_id, manual[how])
 
 
+def state_invariants(db, r: dict, expect_open: bool) -> None:
+    """After a recovery run ``r``: the lease free, no sweep open that no run will finish, a
+    sweep left for the next run exactly when ``expect_open``, and the result and run log say
+    so (``status`` is ``success`` only when nothing is left)."""
+    assert db.q("SELECT holder FROM pin_nightly.job_lease") == []
+    assert db.q("SELECT sweep_id, scope FROM pin_nightly.sweep "
+                "WHERE status = 'open' AND NOT resumable") == []
+    open_sweeps = db.q("SELECT scope FROM pin_nightly.sweep WHERE status = 'open' AND resumable")
+    assert bool(open_sweeps) is expect_open, open_sweeps
+    s = r["summary"]
+    assert s is not None, r["tasks"]
+    assert s["backlog_remaining"] is expect_open, s
+    assert (s["status"] == "success") is (not expect_open), s
+    logged = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", r["run_id"])
+    assert logged["backlog_remaining"] is expect_open
+
+
+def fail_once(monkeypatch, dag_id: str, point: str, target: str, how: str, kind: str | None,
+              conf: dict, logical) -> dict:
+    """Run the DAG with ``target`` failing once (see inject); the run failed (a teardown's
+    failure does not fail the run: then the teardown failed)."""
+    fired = inject(monkeypatch, target, how, kind)
+    failed = run_dag(dag_id, conf, logical_date=logical, run_after=logical)
+    failed["logical_date"] = logical
+    assert fired["fired"], point
+    if point == "release_lease":
+        assert failed["tasks"]["release_lease"] == "failed"
+    else:
+        assert failed["state"] == "failed", failed["tasks"]
+    return failed
+
+
 RECOVERIES = ["clear_failed", "clear_task", "clear_run", "next_night", "dry_run", "targeted",
               "other_window"]
 
@@ -236,17 +268,7 @@ def news_invariants(db, r: dict, expect_fixed: set[str], drift: dict[str, int],
                        "WHERE NOT dry_run")
     assert len(corrections) == len({p for p, _ in corrections}), "a post corrected twice"
     assert dict(corrections) == {p: drift[p] for p in expect_fixed}
-    assert db.q("SELECT holder FROM pin_nightly.job_lease") == []
-    assert db.q("SELECT sweep_id, scope FROM pin_nightly.sweep "
-                "WHERE status = 'open' AND NOT resumable") == []
-    open_sweeps = db.q("SELECT scope FROM pin_nightly.sweep WHERE status = 'open' AND resumable")
-    assert bool(open_sweeps) is expect_open, open_sweeps
-    s = r["summary"]
-    assert s is not None, r["tasks"]
-    assert s["backlog_remaining"] is bool(open_sweeps), (s, open_sweeps)
-    assert (s["status"] == "success") is (not open_sweeps), s
-    logged = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", r["run_id"])
-    assert logged["backlog_remaining"] is s["backlog_remaining"]
+    state_invariants(db, r, expect_open)
 
 
 NEWS_CONF = {"scope": "FullSweep", "batch_size": 4, "max_ranges": 2}
@@ -285,15 +307,7 @@ def news_data(db):
 @pytest.mark.parametrize("point", list(NEWS_POINTS))
 def test_news_fault_matrix(news_db, monkeypatch, point, recovery):
     quiet, recent, drift = news_data(news_db)
-    target, how = NEWS_POINTS[point]
-    fired = inject(monkeypatch, target, how)
-    failed = run_dag(NEWS, NEWS_CONF, logical_date=SATURDAY, run_after=SATURDAY)
-    failed["logical_date"] = SATURDAY
-    assert fired["fired"], point
-    if point == "release_lease":  # a teardown's failure does not fail the run
-        assert failed["tasks"]["release_lease"] == "failed"
-    else:
-        assert failed["state"] == "failed", failed["tasks"]
+    failed = fail_once(monkeypatch, NEWS, point, *NEWS_POINTS[point], None, NEWS_CONF, SATURDAY)
     targets = sorted(drift)[:2]
     manual = {"dry_run": {"scope": "FullSweep", "dry_run": True},
               "targeted": {"post_ids": targets},
@@ -393,30 +407,15 @@ def catalog_invariants(db, r: dict, cards: dict, complete: date | None, targets:
             (cid, newest, w)
         if complete is not None and (not targets or cid in targets):
             assert complete in stored, (cid, complete)
-    assert db.q("SELECT holder FROM pin_nightly.job_lease") == []
-    assert db.q("SELECT sweep_id FROM pin_nightly.sweep "
-                "WHERE status = 'open' AND NOT resumable") == []
-    open_sweeps = db.q("SELECT scope FROM pin_nightly.sweep WHERE status = 'open' AND resumable")
-    assert bool(open_sweeps) is expect_open, open_sweeps
-    s = r["summary"]
-    assert s is not None, r["tasks"]
-    assert s["backlog_remaining"] is expect_open, s
-    assert (s["status"] == "success") is (not expect_open), s
+    state_invariants(db, r, expect_open)
 
 
 @pytest.mark.parametrize("recovery", RECOVERIES)
 @pytest.mark.parametrize("point", list(CATALOG_POINTS))
 def test_catalog_fault_matrix(catalog_db, monkeypatch, point, recovery):
     cards = catalog_data(catalog_db)
-    target, how, kind = CATALOG_POINTS[point]
-    fired = inject(monkeypatch, target, how, kind)
-    failed = run_dag(CATALOG, CATALOG_CONF, logical_date=night(D), run_after=night(D))
-    failed["logical_date"] = night(D)
-    assert fired["fired"], point
-    if point == "release_lease":
-        assert failed["tasks"]["release_lease"] == "failed"
-    else:
-        assert failed["state"] == "failed", failed["tasks"]
+    failed = fail_once(monkeypatch, CATALOG, point, *CATALOG_POINTS[point], CATALOG_CONF,
+                       night(D))
     targets = sorted(cards)[:3]
     later = night(D + timedelta(days=1))
     manual = {"dry_run": {"dry_run": True}, "targeted": {"card_ids": targets},
