@@ -118,8 +118,9 @@ with DAG(
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
     def recompute_property_objects(rng: dict, opts: dict, lease: dict) -> dict:
-        get_current_context()["range_label"] = rng["label"]
-        return catalog.recompute_range("PropertyObject", rng, opts, lease)
+        ctx = get_current_context()
+        ctx["range_label"] = rng["label"]
+        return catalog.recompute_range("PropertyObject", rng, opts, lease, ctx["run_id"])
 
     @task(pool=POOL)
     def plan_projects(opts: dict, lease: dict) -> list[dict]:
@@ -127,8 +128,9 @@ with DAG(
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
     def recompute_projects(rng: dict, opts: dict, lease: dict) -> dict:
-        get_current_context()["range_label"] = rng["label"]
-        return catalog.recompute_range("Project", rng, opts, lease)
+        ctx = get_current_context()
+        ctx["range_label"] = rng["label"]
+        return catalog.recompute_range("Project", rng, opts, lease, ctx["run_id"])
 
     @task(pool=POOL, trigger_rule="none_failed")
     def retention(opts: dict) -> int:

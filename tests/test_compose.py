@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import urllib.parse
 from importlib import metadata, util
 from pathlib import Path
 
@@ -24,7 +25,10 @@ AIRFLOW_VERSION = "3.3.2"
 AIRFLOW_SERVICES = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
                     "airflow-triggerer", "airflow-init"}
 REQUIRED_SERVICES = AIRFLOW_SERVICES | {"postgres", "jobs-db"}
-MONITORING_SERVICES = {"statsd-exporter", "prometheus"}
+MONITORING_SERVICES = {"statsd-exporter", "prometheus", "otel-collector", "jaeger"}
+# Images without a shell or an HTTP client: no in-container healthcheck is possible; they are
+# probed from outside (the collector's health_check extension on port 13133).
+NO_SHELL_SERVICES = {"otel-collector"}
 ONE_SHOT_SERVICES = {"airflow-init", "demo-data"}
 AIRFLOW_MOUNTS = {"dags": "/opt/airflow/dags", "plugins": "/opt/airflow/plugins",
                   "include": "/opt/airflow/include", "pools.json": "/opt/airflow/pools.json"}
@@ -196,11 +200,14 @@ def test_long_running_services_have_healthchecks(services):
         if name in ONE_SHOT_SERVICES:
             assert svc.get("restart") in (None, "no"), f"one-shot {name} must not be restarted"
             continue
+        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), \
+            f"{name} is long-running but has no restart policy"
+        if name in NO_SHELL_SERVICES:
+            assert not svc.get("healthcheck"), f"{name}: its image cannot run a healthcheck"
+            continue
         check = svc.get("healthcheck") or {}
         assert check.get("test") and not check.get("disable") \
             and check["test"] not in (["NONE"], "NONE"), f"{name} has no healthcheck"
-        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), \
-            f"{name} is long-running but has no restart policy"
 
 
 def test_airflow_services_wait_for_metadata_db_and_init(services):
@@ -343,6 +350,25 @@ def test_metrics_go_to_statsd_exporter_with_tags(services, env_example):
     prom = {src: tgt for _, src, tgt in volumes(services["prometheus"])}
     assert prom.get("./include/monitoring/prometheus") == "/etc/prometheus"
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+
+
+def test_traces_go_through_the_collector_to_jaeger(services):
+    env = environment(services["airflow-scheduler"])
+    assert "AIRFLOW__TRACES__OTEL_ON" in env
+    assert env.get("OTEL_TRACES_EXPORTER") == "otlp_proto_http"
+    endpoint = urllib.parse.urlsplit(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+    assert endpoint.hostname == "otel-collector" and endpoint.path == "/v1/traces"
+    mounts = {tgt: src for _, src, tgt in volumes(services["otel-collector"])}
+    config_path = [a.split("=", 1)[1] for a in services["otel-collector"]["command"]
+                   if a.startswith("--config=")][0]
+    config = yaml.safe_load((REPO / mounts[config_path]).read_text())
+    http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert http.rsplit(":", 1)[1] == str(endpoint.port)
+    pipeline = config["service"]["pipelines"]["traces"]
+    assert "otlp" in pipeline["receivers"]
+    exporters = [config["exporters"][name] for name in pipeline["exporters"]]
+    assert any(e["endpoint"].split(":")[0] == "jaeger" for e in exporters)
+    assert "health_check" in config["service"]["extensions"]
 
 
 # --- mounts ----------------------------------------------------------------------------------

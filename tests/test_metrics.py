@@ -122,3 +122,15 @@ def test_every_failed_task_counts_and_only_finished_work_is_a_success(news_db, c
                  "news_comment_reconcile_last_full_sweep_timestamp_seconds",
                  "catalog_popularity_recompute_last_success_timestamp_seconds"):
         assert f"airflow.{name}:" not in text
+
+
+def test_with_tracing_off_a_span_costs_no_attribute_work():
+    """Airflow's tracing is off in this process: the job's spans are OpenTelemetry's no-op
+    ones and the attributes are never computed (the stack test covers tracing on)."""
+    from pin_nightly import tracing
+
+    calls = []
+    with tracing.span("range", lambda: calls.append("start") or {"pin.job": "x"}) as span:
+        tracing.set_result(span, lambda: calls.append("end") or {})
+        assert not span.is_recording()
+    assert calls == []

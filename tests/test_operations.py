@@ -4,6 +4,7 @@ webhook, a full pool makes a run wait, and one mapped task is cleared over REST 
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 import time
@@ -52,6 +53,49 @@ class Webhook:
         raise AssertionError(f"no matching alert; received {self.received}")
 
 
+class OtlpReceiver:
+    """A local OTLP/HTTP trace receiver: what Airflow's exporter sends, decoded into spans."""
+
+    def __init__(self):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        spans = self.spans = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                req = ExportTraceServiceRequest.FromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        spans.extend(_span_dict(sp) for sp in ss.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def _span_dict(sp) -> dict:
+    def value(v):
+        kind = v.WhichOneof("value")
+        return getattr(v, kind) if kind else None
+
+    return {"name": sp.name, "trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(),
+            "parent": sp.parent_span_id.hex(), "status": sp.status.code,
+            "events": [e.name for e in sp.events],
+            "attributes": {a.key: value(a.value) for a in sp.attributes}}
+
+
 @pytest.fixture(scope="module")
 def stack(pg_admin):
     from tools.demodata import create_catalog_schema, create_news_schema
@@ -62,6 +106,7 @@ def stack(pg_admin):
     catalog_dsn = devenv.recreate_database(f"pin_e2e_catalog{SUFFIX}")
     create_catalog_schema(catalog_dsn)
     hook = Webhook()
+    otlp = OtlpReceiver()
     env = stack_env(home, devenv.recreate_database(f"pin_e2e_airflow{SUFFIX}"), free_port(), {
         "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
         "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
@@ -73,6 +118,12 @@ def stack(pg_admin):
         # a worker lost without a word is failed after 30 s instead of 5 minutes
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+        # Airflow's tracing on, exported over OTLP/HTTP to the receiver above
+        "AIRFLOW__TRACES__OTEL_ON": "True",
+        "OTEL_TRACES_EXPORTER": "otlp_proto_http",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
+        "OTEL_SERVICE_NAME": "airflow",
+        "OTEL_BSP_SCHEDULE_DELAY": "500",
     })
     s = Stack(home, env).start()
     try:
@@ -80,10 +131,12 @@ def stack(pg_admin):
         s.news = helpers.NewsDB(news_dsn, psycopg.connect(news_dsn, autocommit=True))
         s.catalog = helpers.CatalogDB(catalog_dsn, psycopg.connect(catalog_dsn, autocommit=True))
         s.hook = hook
+        s.otlp = otlp
         yield s
     finally:
         s.stop()
         hook.server.shutdown()
+        otlp.server.shutdown()
 
 
 def test_both_dags_run_through_the_scheduler(stack):
@@ -161,6 +214,59 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     assert [n for _, n in rows] == [20, 20, 20]  # the range resumed; nothing was read twice
     assert db.drifted_posts() == 0
     assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
+    _assert_traces(stack, run_id, sweep, ids, poison)
+
+
+def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) -> None:
+    """The run's trace: Airflow's dag_run span, its task spans, and under each range task's
+    span the job's range span with its batch spans; the failure is recorded on its spans."""
+    def of_run():
+        ranges = [s for s in stack.otlp.spans if s["name"] == "range"
+                  and s["attributes"].get("pin.job_run_id") == run_id]
+        runs = [s for s in stack.otlp.spans if s["name"] == f"dag_run.{NEWS}"
+                and s["attributes"].get("airflow.dag_run.run_id") == run_id]
+        return (ranges, runs) if len(ranges) == 4 and len(runs) == 2 else None
+
+    ranges, runs = helpers.wait_for(of_run, timeout=60, what="the run's spans")
+    spans = stack.otlp.spans
+    by_id = {s["span_id"]: s for s in spans}
+    # the failed run (status error) and its re-run after the clear are one trace each
+    first, rerun = sorted(runs, key=lambda s: s["status"] != 2)
+    assert (first["status"], rerun["status"]) == (2, 1)
+    assert first["trace_id"] != rerun["trace_id"]
+    for rng in ranges:
+        parent = by_id[rng["parent"]]
+        no = rng["attributes"]["pin.range_no"]
+        assert parent["name"] == f"worker.reconcile_range[{no}]"
+        assert parent["attributes"]["airflow.dag_run.run_id"] == run_id
+        a = rng["attributes"]
+        assert (a["pin.job"], a["pin.sweep_id"], a["pin.scope"], a["pin.batch_size"]) == (
+            NEWS, sweep, "FullSweep", 5)
+        assert a["pin.range"].startswith(f"FullSweep#{no} (")
+    batches = lambda rng: sorted(  # noqa: E731
+        (s for s in spans if s["parent"] == rng["span_id"] and s["name"] == "batch"),
+        key=lambda s: s["attributes"].get("pin.batch.after_id", ""))
+    failed = [r for r in ranges if r["status"] == 2]  # STATUS_CODE_ERROR
+    assert len(failed) == 1 and failed[0]["attributes"]["pin.range_no"] == 2
+    last = batches(failed[0])[-1]
+    assert last["status"] == 2 and "exception" in last["events"]
+    assert "pin.batch.rows" not in last["attributes"]  # its transaction was rolled back
+    resumed = [r for r in ranges if r["attributes"]["pin.range_no"] == 2 and r["status"] != 2]
+    assert len(resumed) == 1 and resumed[0]["trace_id"] == rerun["trace_id"]
+    chain, span = [], resumed[0]
+    while span["parent"] in by_id:
+        span = by_id[span["parent"]]
+        chain.append(span["name"])
+    assert chain == ["worker.reconcile_range[2]", "task_run.reconcile_range[2]", f"dag_run.{NEWS}"]
+    assert {r["trace_id"] for r in ranges if r is not resumed[0]} == {first["trace_id"]}
+    assert batches(failed[0])[0]["attributes"]["pin.batch.after_id"] == ids[39]
+    # the cleared range starts after its last committed batch
+    assert batches(resumed[0])[0]["attributes"]["pin.batch.after_id"] == ids[44]
+    done = [b["attributes"] for r in ranges for b in batches(r) if "pin.batch.rows" in
+            b["attributes"]]
+    assert sum(b["pin.batch.rows"] for b in done) == 60  # each post read once
+    assert sum(b["pin.batch.updated_count"] for b in done) == 60
+    assert all(b["pin.batch.cursor"] for b in done if b["pin.batch.rows"])
 
 
 def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):

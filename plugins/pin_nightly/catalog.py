@@ -195,9 +195,10 @@ def make_batch(kind: str, opts: dict[str, Any]):
 
 
 def recompute_range(kind: str, rng: dict[str, Any], opts: dict[str, Any],
-                    lease_data: dict[str, Any]) -> dict[str, Any]:
+                    lease_data: dict[str, Any], run_id: str) -> dict[str, Any]:
     """One mapped task: snapshot and rescore the cards of a keyset range."""
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], make_batch(kind, opts))
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], make_batch(kind, opts),
+                          run_id, span_attributes={"pin.card_kind": kind})
 
 
 def retention_days(opts: dict[str, Any]) -> int:

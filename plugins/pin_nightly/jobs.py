@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from pin_nightly import keyset, metrics
+from pin_nightly import keyset, metrics, tracing
 from pin_nightly import lease as leases
 from pin_nightly.db import check_columns, connection, ensure_schema, has_index_on
 
@@ -160,16 +160,27 @@ def rejoin_lease(job: JobDef, lease_data: dict[str, Any] | None) -> leases.Lease
 
 
 def run_range_task(job: JobDef, rng: dict[str, Any], lease_data: dict[str, Any],
-                   batch_size: int, batch: keyset.BatchFn) -> dict[str, Any]:
+                   batch_size: int, batch: keyset.BatchFn, run_id: str,
+                   span_attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Body of a mapped range task: work through the range, stop gracefully."""
-    lease = rejoin_lease(job, lease_data)
-    with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
-        res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
-    log.info("range %s %s: processed=%d changed=%d written=%d batches=%d skipped_locked=%d "
-             "(retried %d) item_errors=%d", rng["label"], res.status, res.processed,
-             res.changed, res.written, res.batches, res.skipped_locked, res.retried,
-             res.item_errors)
-    if res.status == "stopped":
-        raise keyset.GracefulStop(f"stopped on request after {res.batches} batch(es); "
-                                  f"committed work is kept, cursor {res.cursor_id}")
+    with tracing.span("range", lambda: {
+            "pin.job": job.dag_id, "pin.job_run_id": run_id, "pin.sweep_id": rng["sweep_id"],
+            "pin.scope": rng["family"], "pin.range": rng["label"],
+            "pin.range_no": rng["range_no"], "pin.batch_size": batch_size,
+            **(span_attributes or {})}) as span:
+        lease = rejoin_lease(job, lease_data)
+        with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
+            res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
+        tracing.set_result(span, lambda: {
+            "pin.range.status": res.status, "pin.range.batches": res.batches,
+            "pin.range.rows": res.processed, "pin.range.updated_count": res.changed,
+            "pin.range.skipped_locked": res.skipped_locked,
+            "pin.range.item_errors": res.item_errors, "pin.range.cursor": res.cursor_id})
+        log.info("range %s %s: processed=%d changed=%d written=%d batches=%d "
+                 "skipped_locked=%d (retried %d) item_errors=%d", rng["label"], res.status,
+                 res.processed, res.changed, res.written, res.batches, res.skipped_locked,
+                 res.retried, res.item_errors)
+        if res.status == "stopped":
+            raise keyset.GracefulStop(f"stopped on request after {res.batches} batch(es); "
+                                      f"committed work is kept, cursor {res.cursor_id}")
     return {**res.__dict__, "label": rng["label"]}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pin_nightly import lease as leases
+from pin_nightly import tracing
 from pin_nightly.db import fetch_dicts, fetch_one_dict, sql, sqlstate, transaction
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,9 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
             res.status = "stopped"
             break
         started = time.monotonic()
-        with transaction(conn) as cur:
+        with tracing.span("batch", lambda: {"pin.batch.after_id": cursor,
+                                            "pin.batch_size": batch_size}) as span, \
+                transaction(conn) as cur:
             cur.execute(sql("common/async_commit"))
             past_deadline, renew_due = leases.fence(cur, lease)
             b = None if past_deadline else batch(cur, cursor, upper, batch_size, None)
@@ -264,6 +267,7 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
                     "skipped": len(b.skipped_ids), "item_errors": b.item_errors})
                 if cur.fetchone() is None:
                     raise RuntimeError(f"range {key} was closed by someone else")
+            tracing.set_result(span, lambda: _batch_attributes(b))
         if b is None:
             res.status = "interrupted"
             log.warning("max run duration reached: range %s stops at cursor %s; the next run "
@@ -297,17 +301,27 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
     return res
 
 
+def _batch_attributes(b: Batch | None) -> dict[str, Any]:
+    if b is None:
+        return {"pin.batch.stopped_at_deadline": True}
+    return {"pin.batch.rows": b.processed, "pin.batch.updated_count": b.changed,
+            "pin.batch.written": b.written, "pin.batch.skipped_locked": len(b.skipped_ids),
+            "pin.batch.item_errors": b.item_errors, "pin.batch.cursor": b.last_id}
+
+
 def _retry_skipped(conn, key, lease, batch: BatchFn, skipped: list[str], timeout_ms: int,
                    res: RangeResult) -> None:
     """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock."""
     for row_id in skipped:
         try:
-            with transaction(conn) as cur:
+            with tracing.span("retry_locked_row", lambda: {"pin.batch.row_id": row_id}) as span, \
+                    transaction(conn) as cur:
                 cur.execute(sql("common/async_commit"))
                 if leases.fence(cur, lease)[0]:
                     break
                 cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
                 b = batch(cur, None, None, 1, [row_id])
+                tracing.set_result(span, lambda: _batch_attributes(b))
                 cur.execute(sql("common/range_retried"), {
                     **key, "processed": b.processed, "changed": b.changed,
                     "written": b.written, "item_errors": b.item_errors})

@@ -245,9 +245,10 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
 def reconcile_range(rng: dict[str, Any], opts: dict[str, Any],
                     lease_data: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
     """One mapped task: reconcile a keyset range batch by batch from its cursor."""
-    batch = make_batch(opts, rng["sweep_id"], run_identity(context)["run_id"],
+    run_id = run_identity(context)["run_id"]
+    batch = make_batch(opts, rng["sweep_id"], run_id,
                        candidate_mode=rng["family"] != "FullSweep")
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], batch)
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], batch, run_id)
 
 
 def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
