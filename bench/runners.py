@@ -22,7 +22,6 @@ import time
 import uuid
 from datetime import datetime, time as dtime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from bench import variants
@@ -114,19 +113,8 @@ class WorkerPool:
 # the job code without Airflow
 # ---------------------------------------------------------------------------------------------
 
-class FakeTI:
-    def __init__(self, lease_data: dict) -> None:
-        self.lease_data = lease_data
-
-    def xcom_pull(self, task_ids=None, **_):
-        assert task_ids == "acquire_lease", task_ids
-        return self.lease_data
-
-
-def fake_context(dag_id: str, logical: datetime) -> dict[str, Any]:
-    run_id = f"bench__{logical.isoformat()}__{uuid.uuid4().hex[:8]}"
-    return {"run_id": run_id, "logical_date": logical, "dag_run": None,
-            "dag": SimpleNamespace(dag_id=dag_id), "ti": FakeTI({})}
+def bench_run_id(logical: datetime) -> str:
+    return f"bench__{logical.isoformat()}__{uuid.uuid4().hex[:8]}"
 
 
 def warm_up(conn_id: str) -> None:
@@ -172,21 +160,21 @@ def run_news_job(pool: WorkerPool, scope: str, n_ranges: int, variant: variants.
     from pin_nightly import jobs, news
 
     variants.install(variant)
-    ctx = fake_context(news.JOB.dag_id, datetime.now(timezone.utc))
+    instant = datetime.now(timezone.utc)
+    run_id = bench_run_id(instant)
     params = {"scope": scope, "max_ranges": n_ranges, **BIG_BUDGET,
               "batch_size": variants.batch_size(variant, "news", news.DEFAULTS["batch_size"]),
               "drift_alert_threshold": 10**9}
     t0 = time.perf_counter()
-    opts = news.validate_options(params, ctx)
-    lease_data = jobs.acquire_lease(news.JOB, opts, ctx)
-    ctx["ti"] = FakeTI(lease_data)
-    ranges = news.plan_ranges(opts, lease_data, ctx)
+    opts = news.validate_options(params, instant)
+    lease_data = jobs.acquire_lease(news.JOB, opts, run_id)
+    ranges = news.plan_ranges(opts, lease_data, run_id)
     t_plan = time.perf_counter()
     tasks = [{"job": "news", "rng": r, "lease": lease_data, "opts": opts,
-              "run_id": ctx["run_id"], "candidate_mode": scope != "FullSweep"} for r in ranges]
+              "run_id": run_id, "candidate_mode": scope != "FullSweep"} for r in ranges]
     results = pool.run(tasks)
     t_ranges = time.perf_counter()
-    summary = news.summarize(opts, ctx)
+    summary = news.summarize(opts, lease_data, run_id)
     jobs.release_lease(news.JOB, lease_data)
     t1 = time.perf_counter()
     if summary["status"] != "success":
@@ -201,26 +189,25 @@ def run_catalog_job(pool: WorkerPool, n_ranges: int, variant: variants.Variant) 
     from pin_nightly import catalog, jobs
 
     variants.install(variant)
-    ctx = fake_context(catalog.JOB.dag_id,
-                       datetime.combine(AS_OF, dtime(3, 0), tzinfo=timezone.utc))
+    instant = datetime.combine(AS_OF, dtime(3, 0), tzinfo=timezone.utc)
+    run_id = bench_run_id(instant)
     params = {"max_ranges": n_ranges, **BIG_BUDGET,
               "batch_size": variants.batch_size(variant, "catalog",
                                                 catalog.DEFAULTS["batch_size"])}
     t0 = time.perf_counter()
-    opts = catalog.validate_options(params, ctx)
-    lease_data = jobs.acquire_lease(catalog.JOB, opts, ctx)
-    ctx["ti"] = FakeTI(lease_data)
+    opts = catalog.validate_options(params, instant)
+    lease_data = jobs.acquire_lease(catalog.JOB, opts, run_id)
     results: list[dict] = []
     plan_s = 0.0
     for kind in catalog.KINDS:
         tp = time.perf_counter()
-        ranges = catalog.plan_ranges(kind, opts, lease_data, ctx)
+        ranges = catalog.plan_ranges(kind, opts, lease_data, run_id)
         plan_s += time.perf_counter() - tp
         results += pool.run([{"job": "catalog", "kind": kind, "rng": r, "lease": lease_data,
-                              "opts": opts, "run_id": ctx["run_id"]} for r in ranges])
+                              "opts": opts, "run_id": run_id} for r in ranges])
     t_ranges = time.perf_counter()
-    pruned = catalog.retention(opts, ctx)
-    summary = catalog.summarize(opts, pruned, ctx)
+    pruned = catalog.retention(opts, lease_data)
+    summary = catalog.summarize(opts, pruned, lease_data, run_id)
     jobs.release_lease(catalog.JOB, lease_data)
     t1 = time.perf_counter()
     if summary["status"] != "success":

@@ -6,7 +6,7 @@ The logic lives in ``plugins/pin_nightly/catalog.py``; SQL in ``include/sql/cata
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
+from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
 
 from pin_nightly import catalog, jobs
 from pin_nightly.deadlines import deadline_alerts
@@ -58,9 +58,9 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    # SLA: finish within the default run budget + a margin of being queued; succeed within
+    # SLA: finish within the lease's default TTL of being queued; succeed within
     # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
-    deadline=deadline_alerts("catalog_popularity_recompute", run_budget_minutes=30 + 15),
+    deadline=deadline_alerts("catalog_popularity_recompute", catalog.RUN_BUDGET_MINUTES),
     doc_md=DOC_MD,
     tags=["pin-nightly", "catalog"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
@@ -68,77 +68,47 @@ with DAG(
                   # every failed task attempt counts in <job>_errors_total
                   "on_failure_callback": catalog.task_failed,
                   "on_retry_callback": catalog.task_failed},
-    params={
-        "window_days": Param(
-            30, type="integer", minimum=1, maximum=catalog.MAXIMA["window_days"],
-            description=f"Window W in days, an integer from 1 to {catalog.MAXIMA['window_days']} "
-                        "(retention always keeps the nightly 30 days + 2)"),
-        "half_life_days": Param(
-            7, type="number", exclusiveMinimum=0,
-            description="Half-life H of a day's views, in days (a number > 0)"),
-        "batch_size": Param(
-            1000, type="integer", minimum=1, maximum=catalog.MAXIMA["batch_size"],
-            description=f"Cards per batch, an integer from 1 to {catalog.MAXIMA['batch_size']}"),
-        "max_run_duration_minutes": Param(
-            30, type="number", exclusiveMinimum=0,
-            maximum=catalog.MAXIMA["max_run_duration_minutes"],
-            description=f"Time budget: no batch starts later than this after the lease is "
-                        f"taken; minutes, more than 0 and at most "
-                        f"{catalog.MAXIMA['max_run_duration_minutes']}"),
-        "lock_ttl_minutes": Param(
-            45, type="number", exclusiveMinimum=0, maximum=catalog.MAXIMA["lock_ttl_minutes"],
-            description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
-        "card_ids": Param(
-            [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
-            description="Targeted recompute of just these cards (either kind): one uuid per "
-                        "line, e.g. 0190a000-0000-7000-8000-000000000000"),
-        "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
-        "max_ranges": Param(
-            8, type="integer", minimum=1, maximum=64,
-            description="Upper bound of keyset ranges (mapped tasks) per pass, an integer from "
-                        "1 to 64"),
-    },
+    params=catalog.PARAMS,
 ) as dag:
 
     @task(pool=POOL)
     @config_errors_fail
-    def validate_options() -> dict:
-        ctx = get_current_context()
-        return catalog.validate_options(ctx["params"], ctx)
+    def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
+        return catalog.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
 
     @setup
     @task(pool=POOL)
     @config_errors_fail
-    def acquire_lease(opts: dict) -> dict:
-        return jobs.acquire_lease(catalog.JOB, opts, get_current_context())
+    def acquire_lease(opts: dict, run_id=None) -> dict:
+        return jobs.acquire_lease(catalog.JOB, opts, run_id)
 
     @task(pool=POOL)
-    def plan_property_objects(opts: dict, lease: dict) -> list[dict]:
-        return catalog.plan_ranges("PropertyObject", opts, lease, get_current_context())
+    def plan_property_objects(opts: dict, lease: dict, run_id=None) -> list[dict]:
+        return catalog.plan_ranges("PropertyObject", opts, lease, run_id)
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
-    def recompute_property_objects(rng: dict, opts: dict, lease: dict) -> dict:
-        ctx = get_current_context()
-        ctx["range_label"] = rng["label"]
-        return catalog.recompute_range("PropertyObject", rng, opts, lease, ctx["run_id"])
+    def recompute_property_objects(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
+        get_current_context()["range_label"] = rng["label"]
+        return catalog.recompute_range("PropertyObject", rng, opts, lease, run_id)
 
     @task(pool=POOL)
-    def plan_projects(opts: dict, lease: dict) -> list[dict]:
-        return catalog.plan_ranges("Project", opts, lease, get_current_context())
+    def plan_projects(opts: dict, lease: dict, run_id=None) -> list[dict]:
+        return catalog.plan_ranges("Project", opts, lease, run_id)
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
-    def recompute_projects(rng: dict, opts: dict, lease: dict) -> dict:
-        ctx = get_current_context()
-        ctx["range_label"] = rng["label"]
-        return catalog.recompute_range("Project", rng, opts, lease, ctx["run_id"])
+    def recompute_projects(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
+        get_current_context()["range_label"] = rng["label"]
+        return catalog.recompute_range("Project", rng, opts, lease, run_id)
+
+    # The lease is pulled here rather than passed: a task right after the setup task must have
+    # the trigger rule all_success, and these must also run after ranges that skipped.
+    @task(pool=POOL, trigger_rule="none_failed")
+    def retention(opts: dict, ti=None) -> int:
+        return catalog.retention(opts, ti.xcom_pull(task_ids="acquire_lease"))
 
     @task(pool=POOL, trigger_rule="none_failed")
-    def retention(opts: dict) -> int:
-        return catalog.retention(opts, get_current_context())
-
-    @task(pool=POOL, trigger_rule="none_failed")
-    def summarize(opts: dict, pruned: int | None) -> dict:
-        return catalog.summarize(opts, pruned, get_current_context())
+    def summarize(opts: dict, pruned: int | None, run_id=None, ti=None) -> dict:
+        return catalog.summarize(opts, pruned, ti.xcom_pull(task_ids="acquire_lease"), run_id)
 
     @teardown
     @task(pool=POOL)

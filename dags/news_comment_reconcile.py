@@ -6,7 +6,7 @@ The logic lives in ``plugins/pin_nightly/news.py``; SQL in ``include/sql/news/``
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import DAG, CronTriggerTimetable, Param, get_current_context, setup, task, teardown
+from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
 
 from pin_nightly import jobs, news
 from pin_nightly.deadlines import deadline_alerts
@@ -55,9 +55,9 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
     catchup=False,
     max_active_runs=1,
-    # SLA: finish within the default run budget + a margin of being queued; succeed within
+    # SLA: finish within the lease's default TTL of being queued; succeed within
     # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
-    deadline=deadline_alerts("news_comment_reconcile", run_budget_minutes=20 + 10),
+    deadline=deadline_alerts("news_comment_reconcile", news.RUN_BUDGET_MINUTES),
     doc_md=DOC_MD,
     tags=["pin-nightly", "news"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
@@ -66,72 +66,34 @@ with DAG(
                   # every failed task attempt counts in <job>_errors_total
                   "on_failure_callback": news.task_failed,
                   "on_retry_callback": news.task_failed},
-    params={
-        "scope": Param(
-            "auto", enum=list(news.SCOPES),
-            description="auto (FullSweep on nights matching full_sweep_cron in Europe/Moscow, "
-                        "else DailyWindow), DailyWindow or FullSweep"),
-        "full_sweep_cron": Param(
-            "0 3 * * 0", type="string",
-            description="A 5-field cron expression, read in Europe/Moscow: the nights on which "
-                        "auto means FullSweep (default: Sundays)"),
-        "batch_size": Param(
-            2000, type="integer", minimum=1, maximum=news.MAXIMA["batch_size"],
-            description=f"Posts checked per batch, an integer from 1 to "
-                        f"{news.MAXIMA['batch_size']}; only those that look drifted are locked "
-                        "(the spec's 500 is 1.6x slower, see README Performance)"),
-        "window_lookback_hours": Param(
-            26, type="number", exclusiveMinimum=0, maximum=news.MAXIMA["window_lookback_hours"],
-            description=f"DailyWindow: minimal look-back in hours, more than 0 and at most "
-                        f"{news.MAXIMA['window_lookback_hours']}"),
-        "max_run_duration_minutes": Param(
-            20, type="number", exclusiveMinimum=0,
-            maximum=news.MAXIMA["max_run_duration_minutes"],
-            description=f"Time budget: no batch starts later than this after the lease is "
-                        f"taken; minutes, more than 0 and at most "
-                        f"{news.MAXIMA['max_run_duration_minutes']}"),
-        "lock_ttl_minutes": Param(
-            30, type="number", exclusiveMinimum=0, maximum=news.MAXIMA["lock_ttl_minutes"],
-            description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
-        "drift_alert_threshold": Param(
-            1000, type="integer", minimum=0,
-            description="Alert when a run corrects more posts than this (an integer >= 0)"),
-        "post_ids": Param(
-            [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
-            description="Targeted repair of just these posts: one uuid per line, e.g. "
-                        "0190a000-0000-7000-8000-000000000000; leave scope at auto"),
-        "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
-        "max_ranges": Param(
-            8, type="integer", minimum=1, maximum=64,
-            description="Upper bound of keyset ranges (mapped tasks), an integer from 1 to 64"),
-    },
+    params=news.PARAMS,
 ) as dag:
 
     @task(pool=POOL)
     @config_errors_fail
-    def validate_options() -> dict:
-        ctx = get_current_context()
-        return news.validate_options(ctx["params"], ctx)
+    def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
+        return news.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
 
     @setup
     @task(pool=POOL)
     @config_errors_fail
-    def acquire_lease(opts: dict) -> dict:
-        return jobs.acquire_lease(news.JOB, opts, get_current_context())
+    def acquire_lease(opts: dict, run_id=None) -> dict:
+        return jobs.acquire_lease(news.JOB, opts, run_id)
 
     @task(pool=POOL)
-    def plan_ranges(opts: dict, lease: dict) -> list[dict]:
-        return news.plan_ranges(opts, lease, get_current_context())
+    def plan_ranges(opts: dict, lease: dict, run_id=None) -> list[dict]:
+        return news.plan_ranges(opts, lease, run_id)
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
-    def reconcile_range(rng: dict, opts: dict, lease: dict) -> dict:
-        ctx = get_current_context()
-        ctx["range_label"] = rng["label"]
-        return news.reconcile_range(rng, opts, lease, ctx)
+    def reconcile_range(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
+        get_current_context()["range_label"] = rng["label"]
+        return news.reconcile_range(rng, opts, lease, run_id)
 
+    # The lease is pulled here rather than passed: a task right after the setup task must have
+    # the trigger rule all_success, and the summary must also run after ranges that skipped.
     @task(pool=POOL, trigger_rule="none_failed")
-    def summarize(opts: dict) -> dict:
-        return news.summarize(opts, get_current_context())
+    def summarize(opts: dict, run_id=None, ti=None) -> dict:
+        return news.summarize(opts, ti.xcom_pull(task_ids="acquire_lease"), run_id)
 
     @teardown
     @task(pool=POOL)

@@ -9,17 +9,18 @@ query; write ``popularity_score`` and ``updated_at`` only where the score change
 from __future__ import annotations
 
 import logging
-from datetime import date
+from datetime import date, datetime
 from typing import Any
 
 import pendulum
+from airflow.sdk import Param
 
 from pin_nightly import jobs, keyset, metrics
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly import lease as leases
 from pin_nightly.jobs import (
-    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease, rejoin_lease,
-    release_lease, run_identity, run_range_task,
+    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, rejoin_lease, release_lease,
+    run_range_task,
 )
 
 log = logging.getLogger(__name__)
@@ -44,24 +45,48 @@ JOB = JobDef(
                ("catalog.popularity_daily_views", "schema/catalog_popularity")],
 )
 
-DEFAULTS: dict[str, Any] = {
-    "window_days": 30,
-    "half_life_days": 7,
-    "batch_size": 1000,
-    "max_run_duration_minutes": 30,
-    "lock_ttl_minutes": 45,
-    "card_ids": [],
-    "dry_run": False,
-    "max_ranges": 8,
-}
 # Upper bounds: larger values overflow PostgreSQL's dates/timestamps/bigints half-way through
-# a run instead of failing here.
-MAXIMA: dict[str, int] = {
-    "window_days": 3660,
-    "batch_size": 100_000,
-    "max_run_duration_minutes": 7 * 24 * 60,
-    "lock_ttl_minutes": 14 * 24 * 60,
+# a run instead of being refused when the run is created.
+_MAX_WINDOW_DAYS = 3660
+_MAX_BATCH = 100_000
+_MAX_RUN_MINUTES = 7 * 24 * 60
+_MAX_TTL_MINUTES = 14 * 24 * 60
+
+# The DAG's params: each option's type, default, bounds and description, defined once. Airflow
+# checks them when a run is created (a bad value creates no run); validate_options checks the
+# rules across options.
+PARAMS = {
+    "window_days": Param(
+        30, type="integer", minimum=1, maximum=_MAX_WINDOW_DAYS,
+        description=f"Window W in days, an integer from 1 to {_MAX_WINDOW_DAYS} (retention "
+                    "always keeps the nightly 30 days + 2)"),
+    "half_life_days": Param(
+        7, type="number", exclusiveMinimum=0,
+        description="Half-life H of a day's views, in days (a number > 0)"),
+    "batch_size": Param(
+        1000, type="integer", minimum=1, maximum=_MAX_BATCH,
+        description=f"Cards per batch, an integer from 1 to {_MAX_BATCH}"),
+    "max_run_duration_minutes": Param(
+        30, type="number", exclusiveMinimum=0, maximum=_MAX_RUN_MINUTES,
+        description=f"Time budget: no batch starts later than this after the lease is taken; "
+                    f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}"),
+    "lock_ttl_minutes": Param(
+        45, type="number", exclusiveMinimum=0, maximum=_MAX_TTL_MINUTES,
+        description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
+    "card_ids": Param(
+        [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
+        description="Targeted recompute of just these cards (either kind): one uuid per line, "
+                    "e.g. 0190a000-0000-7000-8000-000000000000"),
+    "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
+    "max_ranges": Param(
+        8, type="integer", minimum=1, maximum=64,
+        description="Upper bound of keyset ranges (mapped tasks) per pass, an integer from 1 "
+                    "to 64"),
 }
+DEFAULTS: dict[str, Any] = {name: param.value for name, param in PARAMS.items()}
+# Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
+# the job.
+RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
 
 
 # In a dry run these stay 0 in the result; dry_run_report holds what the run would have done.
@@ -73,32 +98,19 @@ def card_sql(name: str, kind: str) -> str:
     return sql(f"catalog/{name}").replace("{cards}", KINDS[kind])
 
 
-def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    """Check every option and the rules across them; fix as_of_date. No database access."""
+def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str, Any]:
+    """Check every option and the rules across them; fix as_of_date (``run_instant``'s day in
+    UTC). No database access."""
     p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
     errors: list[str] = []
-    for name in ("window_days", "batch_size", "max_ranges"):
-        v = p[name]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            errors.append(f"{name} must be an integer >= 1, got {v!r}")
-    for name in ("half_life_days", "max_run_duration_minutes", "lock_ttl_minutes"):
-        v = p[name]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            errors.append(f"{name} must be a number > 0, got {v!r}")
-    for name, maximum in MAXIMA.items():
-        v = p[name]
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > maximum:
-            errors.append(f"{name} must be at most {maximum}, got {v!r}")
-    if not isinstance(p["dry_run"], bool):
-        errors.append(f"dry_run must be true or false, got {p['dry_run']!r}")
     card_ids = parse_uuids("card_ids", p["card_ids"], errors)
-    if not errors and p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
+    if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
         errors.append(
             f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
             f"({p['max_run_duration_minutes']}): the lock must outlive the run")
     if errors:
         raise JobConfigError("invalid options: " + "; ".join(errors))
-    instant = pendulum.instance(run_identity(context)["run_instant"]).in_timezone("UTC")
+    instant = pendulum.instance(run_instant).in_timezone("UTC")
     opts = {**p, "card_ids": card_ids, "as_of_date": instant.date().isoformat()}
     log.info("run started: as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
              "dry_run=%s card_ids=%d", opts["as_of_date"], p["window_days"],
@@ -116,12 +128,11 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
 
 
 def plan_ranges(kind: str, opts: dict[str, Any], lease_data: dict[str, Any],
-                context: dict[str, Any]) -> list[dict[str, Any]]:
+                run_id: str) -> list[dict[str, Any]]:
     """Open (or adopt) the sweep of one card kind for as_of_date; return its ranges."""
     if lease_from_xcom(lease_data) is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
-    ident = run_identity(context)
     targeted = bool(opts["card_ids"])
     suffix = (" targeted" if targeted else "") + (" (dry run)" if opts["dry_run"] else "")
     spec = keyset.SweepSpec(
@@ -142,7 +153,7 @@ def plan_ranges(kind: str, opts: dict[str, Any], lease_data: dict[str, Any],
                 {"targeted": targeted, "card_ids": opts["card_ids"]},
                 opts["batch_size"], opts["max_ranges"])
 
-        sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan)
+        sweep = keyset.open_sweep(conn, spec, run_id, plan)
     return keyset.range_descriptors(sweep, kind)
 
 
@@ -208,12 +219,12 @@ def retention_days(opts: dict[str, Any]) -> int:
     return max(opts["window_days"], DEFAULTS["window_days"])
 
 
-def retention(opts: dict[str, Any], context: dict[str, Any]) -> int:
+def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
     """Delete the snapshots no window reads any more, in a transaction of its own."""
-    if lease_from_xcom(pull_lease(context)) is None or opts["card_ids"]:
+    if lease_from_xcom(lease_data) is None or opts["card_ids"]:
         log.info("retention skipped (%s)", "targeted run" if opts["card_ids"] else LOCK_HELD)
         return 0
-    lease = rejoin_lease(JOB, pull_lease(context))
+    lease = rejoin_lease(JOB, lease_data)
     keep = retention_days(opts)
     params = {"as_of": opts["as_of_date"], "keep_days": keep}
     with connection(JOB.conn_id) as conn, transaction(conn) as cur:
@@ -235,15 +246,14 @@ def retention(opts: dict[str, Any], context: dict[str, Any]) -> int:
     return pruned
 
 
-def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any]) -> dict[str, Any]:
+def summarize(opts: dict[str, Any], pruned: int | None, lease_data: dict[str, Any] | None,
+              run_id: str) -> dict[str, Any]:
     """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
 
     ``status`` is ``success`` only when both passes of ``as_of_date`` completed and no sweep is
     left unfinished; the staleness figures come from the newest as_of_date whose passes all
     completed, whichever run completed them.
     """
-    ident = run_identity(context)
-    lease_data = pull_lease(context)
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
         "status": "success", "as_of_date": opts["as_of_date"], "dry_run": opts["dry_run"],
@@ -251,7 +261,7 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
         "property_object_cards_processed": 0, "project_cards_processed": 0,
         "snapshots_written": 0, "snapshots_pruned": pruned or 0, "item_errors": 0,
         "property_object_cards_skipped_locked": 0, "project_cards_skipped_locked": 0,
-        "backlog_remaining": False, "duration_ms": 0, "run_id": ident["run_id"],
+        "backlog_remaining": False, "duration_ms": 0, "run_id": run_id,
         "scores_as_of_date": None, "score_staleness_hours": None, "unfinished_sweeps": [],
     }
     scored = None
@@ -259,7 +269,7 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
         if lease is None:
             result["status"] = LOCK_HELD
         else:
-            totals, unfinished = keyset.finish_run(conn, JOB.code, ident["run_id"])
+            totals, unfinished = keyset.finish_run(conn, JOB.code, run_id)
             for t in totals:
                 p = PREFIX[t["family"]]
                 result[f"{p}_updated"] += t["rows_changed"]
@@ -285,7 +295,7 @@ def summarize(opts: dict[str, Any], pruned: int | None, context: dict[str, Any])
             if opts["dry_run"]:  # nothing was written: report what would have been
                 result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
                 result.update({k: 0 for k in DRY_RUN_FIELDS})
-        keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
+        keyset.write_run_log(conn, JOB.code, run_id, result["status"], result,
                              lease.acquired_at if lease else None)
     log.info("run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
              "ProjectCardsUpdated=%(project_cards_updated)s "

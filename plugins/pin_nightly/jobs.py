@@ -32,22 +32,10 @@ class JobDef:
     recommended_indexes: list[tuple[str, str, str]] = field(default_factory=list)
 
 
-def run_identity(context: dict[str, Any]) -> dict[str, Any]:
-    """dag_id, run_id and the instant the run is about (logical date, or run-after for manual runs)."""
-    dag_run = context.get("dag_run")
-    logical = context.get("logical_date")
-    if logical is None and dag_run is not None:
-        logical = getattr(dag_run, "logical_date", None) or getattr(dag_run, "run_after", None)
-    if logical is None:
-        logical = datetime.now(timezone.utc)
-    run_id = context.get("run_id") or getattr(dag_run, "run_id", None)
-    dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(dag_run, "dag_id", None)
-    return {"dag_id": dag_id, "run_id": run_id, "run_instant": logical}
-
-
-def holder_of(context: dict[str, Any]) -> str:
-    ident = run_identity(context)
-    return f"{ident['dag_id']}/{ident['run_id']}"
+def run_instant(logical_date: datetime | None, run_after: datetime | None) -> datetime:
+    """The instant a run is about: its logical date, or when it was due to run (a manual run
+    triggered without a logical date)."""
+    return logical_date or run_after or datetime.now(timezone.utc)
 
 
 def preflight(conn, job: JobDef) -> list[str]:
@@ -66,13 +54,13 @@ def preflight(conn, job: JobDef) -> list[str]:
     return warnings
 
 
-def acquire_lease(job: JobDef, opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    """The setup task: preflight checks, then take the lease.
+def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """The setup task: preflight checks, then take the lease for the run ``run_id``.
 
     When another holder has it, the run's work is skipped: the result says
     ``acquired: False`` and the planning task plans nothing (the run succeeds, doing nothing).
     """
-    holder = holder_of(context)
+    holder = f"{job.dag_id}/{run_id}"
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
         try:
@@ -110,11 +98,6 @@ def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
         return False
     with connection(job.conn_id) as conn:
         return leases.release(conn, lease)
-
-
-def pull_lease(context: dict[str, Any]) -> dict[str, Any] | None:
-    """The lease XCom of this run."""
-    return context["ti"].xcom_pull(task_ids="acquire_lease")
 
 
 def task_failed(metric: str, context: dict[str, Any]) -> None:

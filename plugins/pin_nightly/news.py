@@ -14,14 +14,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pendulum
+from airflow.sdk import Param
 
 from pin_nightly import jobs, keyset, metrics
 from pin_nightly.db import (
     JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction,
 )
 from pin_nightly.jobs import (
-    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, pull_lease,
-    release_lease, run_identity, run_range_task,
+    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, release_lease, run_range_task,
 )
 
 log = logging.getLogger(__name__)
@@ -49,34 +49,57 @@ JOB = JobDef(
     ],
 )
 
-DEFAULTS: dict[str, Any] = {
-    "scope": "auto",
-    "full_sweep_cron": "0 3 * * 0",
-    "batch_size": 2000,
-    "window_lookback_hours": 26,
-    "max_run_duration_minutes": 20,
-    "lock_ttl_minutes": 30,
-    "drift_alert_threshold": 1000,
-    "post_ids": [],
-    "dry_run": False,
-    "max_ranges": 8,
-}
 # Upper bounds: larger values overflow PostgreSQL's timestamps/bigints or Python's datetimes
-# half-way through a run instead of failing here.
-MAXIMA: dict[str, int] = {
-    "batch_size": 100_000,
-    "window_lookback_hours": 366 * 24,
-    "max_run_duration_minutes": 7 * 24 * 60,
-    "lock_ttl_minutes": 14 * 24 * 60,
+# half-way through a run instead of being refused when the run is created.
+_MAX_BATCH = 100_000
+_MAX_LOOKBACK_HOURS = 366 * 24
+_MAX_RUN_MINUTES = 7 * 24 * 60
+_MAX_TTL_MINUTES = 14 * 24 * 60
+
+# The DAG's params: each option's type, default, bounds and description, defined once. Airflow
+# checks them when a run is created (a bad value creates no run); validate_options checks the
+# rules across options.
+PARAMS = {
+    "scope": Param(
+        "auto", enum=list(SCOPES),
+        description="auto (FullSweep on nights matching full_sweep_cron in Europe/Moscow, "
+                    "else DailyWindow), DailyWindow or FullSweep"),
+    "full_sweep_cron": Param(
+        "0 3 * * 0", type="string",
+        description="A 5-field cron expression, read in Europe/Moscow: the nights on which "
+                    "auto means FullSweep (default: Sundays)"),
+    "batch_size": Param(
+        2000, type="integer", minimum=1, maximum=_MAX_BATCH,
+        description=f"Posts checked per batch, an integer from 1 to {_MAX_BATCH}; only those "
+                    "that look drifted are locked (the spec's 500 is 1.6x slower, see README "
+                    "Performance)"),
+    "window_lookback_hours": Param(
+        26, type="number", exclusiveMinimum=0, maximum=_MAX_LOOKBACK_HOURS,
+        description=f"DailyWindow: minimal look-back in hours, more than 0 and at most "
+                    f"{_MAX_LOOKBACK_HOURS}"),
+    "max_run_duration_minutes": Param(
+        20, type="number", exclusiveMinimum=0, maximum=_MAX_RUN_MINUTES,
+        description=f"Time budget: no batch starts later than this after the lease is taken; "
+                    f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}"),
+    "lock_ttl_minutes": Param(
+        30, type="number", exclusiveMinimum=0, maximum=_MAX_TTL_MINUTES,
+        description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
+    "drift_alert_threshold": Param(
+        1000, type="integer", minimum=0,
+        description="Alert when a run corrects more posts than this (an integer >= 0)"),
+    "post_ids": Param(
+        [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
+        description="Targeted repair of just these posts: one uuid per line, e.g. "
+                    "0190a000-0000-7000-8000-000000000000; leave scope at auto"),
+    "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
+    "max_ranges": Param(
+        8, type="integer", minimum=1, maximum=64,
+        description="Upper bound of keyset ranges (mapped tasks), an integer from 1 to 64"),
 }
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+DEFAULTS: dict[str, Any] = {name: param.value for name, param in PARAMS.items()}
+# Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
+# the job.
+RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
 
 
 def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:
@@ -89,30 +112,17 @@ def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:
     return pendulum.instance(nxt, tz=tz) < day_start.add(days=1)
 
 
-def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    """Check every option and the rules across them; resolve the scope. No database access."""
+def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str, Any]:
+    """Check every option and the rules across them; resolve the scope for the run about
+    ``run_instant``. No database access."""
     from croniter import croniter
 
     p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
     errors: list[str] = []
-    if p["scope"] not in SCOPES:
-        errors.append(f"scope must be one of {', '.join(SCOPES)}, got {p['scope']!r}")
-    for name, minimum in (("batch_size", 1), ("max_ranges", 1), ("drift_alert_threshold", 0)):
-        if not _is_int(p[name]) or p[name] < minimum:
-            errors.append(f"{name} must be an integer >= {minimum}, got {p[name]!r}")
-    for name in ("window_lookback_hours", "max_run_duration_minutes", "lock_ttl_minutes"):
-        if not _is_number(p[name]) or p[name] <= 0:
-            errors.append(f"{name} must be a number > 0, got {p[name]!r}")
-    for name, maximum in MAXIMA.items():
-        if _is_number(p[name]) and p[name] > maximum:
-            errors.append(f"{name} must be at most {maximum}, got {p[name]!r}")
-    if not isinstance(p["dry_run"], bool):
-        errors.append(f"dry_run must be true or false, got {p['dry_run']!r}")
-    if not isinstance(p["full_sweep_cron"], str) or not croniter.is_valid(p["full_sweep_cron"]):
+    if not croniter.is_valid(p["full_sweep_cron"]):
         errors.append(f"full_sweep_cron is not a valid cron expression: {p['full_sweep_cron']!r}")
     post_ids = parse_uuids("post_ids", p["post_ids"], errors)
-    if (_is_number(p["lock_ttl_minutes"]) and _is_number(p["max_run_duration_minutes"])
-            and p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]):
+    if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
         errors.append(
             f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
             f"({p['max_run_duration_minutes']}): the lock must outlive the run")
@@ -122,8 +132,7 @@ def validate_options(params: dict[str, Any], context: dict[str, Any]) -> dict[st
     if errors:
         raise JobConfigError("invalid options: " + "; ".join(errors))
 
-    ident = run_identity(context)
-    instant = ident["run_instant"]
+    instant = run_instant
     if post_ids:
         scope = "Targeted"
     elif p["scope"] == "auto":
@@ -151,12 +160,11 @@ def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
 
 
 def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
-                context: dict[str, Any]) -> list[dict[str, Any]]:
+                run_id: str) -> list[dict[str, Any]]:
     """Open (or adopt) the run's sweep and return its ranges (none when the lease is held)."""
     if lease_from_xcom(lease_data) is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
-    ident = run_identity(context)
     scope = opts["effective_scope"]
     candidate_mode = scope != "FullSweep"
     real = scope != "Targeted" and not opts["dry_run"]
@@ -191,12 +199,12 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
                                  opts["batch_size"], opts["max_ranges"])
 
     with connection(JOB.conn_id) as conn:
-        sweep = keyset.open_sweep(conn, spec, ident["run_id"], plan, prepare)
+        sweep = keyset.open_sweep(conn, spec, run_id, plan, prepare)
     ranges = keyset.range_descriptors(sweep, scope)
     cursors = {f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
                for s in [sweep, *sweep["others"]] for r in s["ranges"] if r["status"] != "done"}
     log.info("job started: run=%s scope=%s batch_size=%s sweep=%s%s resumed_sweeps=%s "
-             "ranges=%d cursors=%s dry_run=%s", ident["run_id"], scope, opts["batch_size"],
+             "ranges=%d cursors=%s dry_run=%s", run_id, scope, opts["batch_size"],
              sweep["sweep_id"], " (resumed)" if sweep["adopted"] else "",
              [o["sweep_id"] for o in sweep["others"]], len(ranges), cursors, opts["dry_run"])
     return ranges
@@ -243,28 +251,26 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
 
 
 def reconcile_range(rng: dict[str, Any], opts: dict[str, Any],
-                    lease_data: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+                    lease_data: dict[str, Any], run_id: str) -> dict[str, Any]:
     """One mapped task: reconcile a keyset range batch by batch from its cursor."""
-    run_id = run_identity(context)["run_id"]
     batch = make_batch(opts, rng["sweep_id"], run_id,
                        candidate_mode=rng["family"] != "FullSweep")
     return run_range_task(JOB, rng, lease_data, opts["batch_size"], batch, run_id)
 
 
-def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+def summarize(opts: dict[str, Any], lease_data: dict[str, Any] | None,
+              run_id: str) -> dict[str, Any]:
     """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
 
     ``status`` is ``success`` only when no work is left: ``backlog_remaining`` (and that
     status) whenever any sweep is unfinished after the run, whichever run left it.
     """
-    ident = run_identity(context)
-    lease_data = pull_lease(context)
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
         "status": "success", "scope": opts["effective_scope"], "dry_run": opts["dry_run"],
         "posts_reconciled": 0, "drift_corrected": 0, "drift_found": 0, "batches_processed": 0,
         "last_post_id": None, "backlog_remaining": False, "duration_ms": 0,
-        "posts_skipped_locked": 0, "sweep_id": None, "run_id": ident["run_id"],
+        "posts_skipped_locked": 0, "sweep_id": None, "run_id": run_id,
         "sweeps": [], "unfinished_sweeps": [],
     }
     completed: dict[str, float] = {}
@@ -273,7 +279,7 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
         else:
-            totals, unfinished = keyset.finish_run(conn, JOB.code, ident["run_id"])
+            totals, unfinished = keyset.finish_run(conn, JOB.code, run_id)
             for t in totals:
                 if t["scope"] == sweep_scope(opts):
                     result["sweep_id"] = t["sweep_id"]
@@ -293,9 +299,9 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
             result["duration_ms"] = elapsed_ms(lease)
             if result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
-            _tidy(conn, ident["run_id"])
+            _tidy(conn, run_id)
             completed = _last_completed(conn)
-        keyset.write_run_log(conn, JOB.code, ident["run_id"], result["status"], result,
+        keyset.write_run_log(conn, JOB.code, run_id, result["status"], result,
                              lease.acquired_at if lease else None)
     log.info("job completed: posts_reconciled=%(posts_reconciled)s "
              "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
@@ -309,7 +315,7 @@ def summarize(opts: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
         if result["drift_corrected"] > opts["drift_alert_threshold"]:
             from pin_nightly import alerts
 
-            alerts.drift_alert(JOB.dag_id, ident["run_id"], result, opts["drift_alert_threshold"])
+            alerts.drift_alert(JOB.dag_id, run_id, result, opts["drift_alert_threshold"])
     return result
 
 

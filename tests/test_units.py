@@ -1,0 +1,77 @@
+"""Fast tests of the pure parts of the job code: values in, values out, no database, no Airflow
+run. The behaviour on PostgreSQL and through Airflow is tested by the other modules."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from pin_nightly import catalog, jobs, keyset, news
+from pin_nightly.db import JobConfigError
+
+# 2026-11-29 is a Sunday; 03:00 in Moscow is 00:00 UTC.
+SUNDAY_NIGHT = datetime(2026, 11, 29, 0, 0, tzinfo=timezone.utc)
+MONDAY_NIGHT = datetime(2026, 11, 30, 0, 0, tzinfo=timezone.utc)
+POST = "0190a000-0000-7000-8000-000000000001"
+
+
+@pytest.mark.parametrize("params,instant,scope", [
+    ({}, SUNDAY_NIGHT, "FullSweep"),
+    ({}, MONDAY_NIGHT, "DailyWindow"),
+    # Sunday 23:30 UTC is already Monday in Moscow
+    ({}, datetime(2026, 11, 29, 23, 30, tzinfo=timezone.utc), "DailyWindow"),
+    ({"full_sweep_cron": "0 3 * * 1"}, MONDAY_NIGHT, "FullSweep"),
+    ({"scope": "FullSweep"}, MONDAY_NIGHT, "FullSweep"),
+    ({"scope": "DailyWindow"}, SUNDAY_NIGHT, "DailyWindow"),
+    ({"post_ids": [POST.upper().replace("-", "")]}, SUNDAY_NIGHT, "Targeted"),
+])
+def test_news_scope_choice(params, instant, scope):
+    opts = news.validate_options(params, instant)
+    assert opts["effective_scope"] == scope
+    if scope == "Targeted":
+        assert opts["post_ids"] == [POST]  # normalized
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"lock_ttl_minutes": 20, "max_run_duration_minutes": 20}, "must exceed"),
+    ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
+    ({"post_ids": [POST], "scope": "FullSweep"}, "leave scope at 'auto'"),
+])
+def test_news_rules_across_options(params, message):
+    with pytest.raises(JobConfigError, match=message):
+        news.validate_options(params, MONDAY_NIGHT)
+
+
+def test_catalog_as_of_date_is_the_utc_day_of_the_run():
+    late = datetime(2026, 11, 30, 23, 59, tzinfo=timezone.utc)
+    assert catalog.validate_options({}, late)["as_of_date"] == "2026-11-30"
+    with pytest.raises(JobConfigError, match="must exceed"):
+        catalog.validate_options({"lock_ttl_minutes": 30}, late)
+
+
+@pytest.mark.parametrize("window,kept", [(1, 30), (30, 30), (45, 45)])
+def test_retention_never_keeps_less_than_the_nightly_window(window, kept):
+    assert catalog.retention_days({"window_days": window}) == kept
+
+
+def test_params_defaults_and_deadline_budget_come_from_one_definition():
+    for job in (news, catalog):
+        assert job.DEFAULTS == {k: p.value for k, p in job.PARAMS.items()}
+        assert job.RUN_BUDGET_MINUTES == job.PARAMS["lock_ttl_minutes"].value
+        assert all(p.description for p in job.PARAMS.values())
+
+
+def test_run_instant():
+    after = datetime(2026, 12, 1, 5, tzinfo=timezone.utc)
+    assert jobs.run_instant(SUNDAY_NIGHT, after) == SUNDAY_NIGHT
+    assert jobs.run_instant(None, after) == after
+
+
+@pytest.mark.parametrize("lower,upper,label", [
+    (None, None, "FullSweep#0 (start..end]"),
+    ("019b76da-a83a-7b33-bda8-46e4cf58440c", None, "FullSweep#0 (019b76da..end]"),
+])
+def test_range_labels(lower, upper, label):
+    rng = {"prefix": "FullSweep", "range_no": 0, "lower_id": lower, "upper_id": upper}
+    assert keyset.range_label(rng) == label
