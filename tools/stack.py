@@ -41,6 +41,8 @@ def stack_env(home: Path, metadata_dsn: str, port: int, extra: dict[str, str] | 
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": str(port),
+        # the UI's address: alert messages link to runs under it
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
@@ -68,9 +70,18 @@ class Stack:
                               text=True)
 
     def start(self, timeout: float = 120) -> "Stack":
+        self.prepare()
+        return self.launch(timeout)
+
+    def prepare(self) -> "Stack":
+        """Migrate the metadata database and import the pools (slow CLI steps)."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.cli("db", "migrate")
         self.cli("pools", "import", str(devenv.REPO / "pools.json"))
+        return self
+
+    def launch(self, timeout: float = 120) -> "Stack":
+        """Start the components on a prepared metadata database; return once all are healthy."""
         exe = devenv.REPO / ".venv" / "bin" / "airflow"
         for name in self.COMPONENTS:
             log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - closed by the process
@@ -90,13 +101,31 @@ class Stack:
         raise TimeoutError(f"Airflow did not become healthy; logs in {self.home}")
 
     def stop(self) -> None:
+        """Terminate the components (SIGKILL after 30 s), then the processes they started and
+        left behind (a scheduler killed in its shutdown leaves its executor workers and log
+        server running)."""
+        import psutil
+
+        children: list[psutil.Process] = []
+        for p in self.procs.values():
+            try:
+                children += psutil.Process(p.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         for p in self.procs.values():
             p.terminate()
         for p in self.procs.values():
             try:
-                p.wait(30)
+                p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(children, timeout=10)
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None

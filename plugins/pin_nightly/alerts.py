@@ -4,6 +4,10 @@ The channel is an Airflow connection (``PIN_ALERT_CONN_ID``, default ``pin_alert
 connection whose URL receives a JSON POST (a chat webhook, an Alertmanager bridge...). Without
 it the alert is only logged, with a line saying that no channel is set. No secret is in code:
 the URL and credentials live in the connection.
+
+Every message names the DAG, the run and its state, says in one line what was missed, links to
+the run in the Airflow UI (``[api] base_url`` + ``/dags/{dag_id}/runs/{run_id}``) and points to
+the README section that says what to do (``README.md#<alert name>``).
 """
 
 from __future__ import annotations
@@ -13,12 +17,43 @@ import logging
 import os
 import urllib.request
 from typing import Any
+from urllib.parse import quote
 
 from pin_nightly import metrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONN_ID = "pin_alerts"
+NO_BASE_URL = "not available: [api] base_url (AIRFLOW__API__BASE_URL) is not set"
+
+
+def base_url(conf: Any) -> str | None:
+    """The deployment's ``[api] base_url`` from ``conf``: ``airflow.configuration.conf`` in the
+    triggerer, ``airflow.sdk.configuration.conf`` in a task. None when it is not set."""
+    try:
+        value = conf.get("api", "base_url", fallback=None)
+    except Exception:  # noqa: BLE001 - an unreadable setting is an unset one
+        log.warning("could not read [api] base_url", exc_info=True)
+        value = None
+    return (value or "").strip().rstrip("/") or None
+
+
+def run_url(base: str | None, dag_id: str | None, run_id: str | None) -> str:
+    """The run's page in the Airflow UI, or why there is none."""
+    if not base:
+        return NO_BASE_URL
+    if not dag_id or not run_id:
+        return "not available: the alert does not know its run"
+    return f"{base}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+
+
+def run_fields(name: str, description: str, dag_id: str | None, run_id: str | None,
+               run_state: str | None, base: str | None) -> dict[str, Any]:
+    """What every alert message carries: the alert's name and a one-line description of what
+    was missed, the run and its state, a link to the run and the runbook section."""
+    return {"dag_id": dag_id, "run_id": run_id, "run_state": run_state or "unknown",
+            "description": description, "run_url": run_url(base, dag_id, run_id),
+            "runbook": f"README.md#{name}"}
 
 
 def _webhook_url(conn_id: str) -> str | None:
@@ -60,11 +95,28 @@ def notify(kind: str, payload: dict[str, Any]) -> bool:
     return ok
 
 
+def _current_run_state() -> str | None:
+    """State of the run of the task being executed (``running`` while its tasks run)."""
+    try:
+        from airflow.sdk import get_current_context
+
+        state = getattr(get_current_context().get("dag_run"), "state", None)
+    except Exception:  # noqa: BLE001 - outside a task there is no current run
+        return None
+    return None if state is None else str(getattr(state, "value", state))
+
+
 def drift_alert(dag_id: str, run_id: str, result: dict[str, Any], threshold: int) -> None:
+    """Called by the news summary, inside the run, when it corrected more than ``threshold``."""
+    from airflow.sdk.configuration import conf
+
+    corrected = result["drift_corrected"]
     log.error("drift spike: %s run %s corrected %s posts (threshold %s); look for a bug in the "
-              "hot-path increment (INV-CMT-005)", dag_id, run_id, result["drift_corrected"],
-              threshold)
+              "hot-path increment (INV-CMT-005)", dag_id, run_id, corrected, threshold)
+    description = (f"the run corrected the comments_count of {corrected} posts, more than its "
+                   f"drift_alert_threshold of {threshold}: the hot-path increment has a bug")
+    notify("drift_above_threshold", {
+        **run_fields("drift_above_threshold", description, dag_id, run_id,
+                     _current_run_state(), base_url(conf)),
+        "drift_corrected": corrected, "threshold": threshold})
     metrics.incr("news_comment_reconcile_drift_alerts_total")
-    notify("drift_above_threshold", {"dag_id": dag_id, "run_id": run_id,
-                                     "drift_corrected": result["drift_corrected"],
-                                     "threshold": threshold})

@@ -13,7 +13,9 @@ code:
 creation of every run fail, so a forgotten setting would stop the job instead of its alert.)
 
 The callbacks run in the triggerer, which imports them from this module (``plugins/`` is on its
-``sys.path``). Deadlines fire after a failed run as well: the data is stale all the same.
+``sys.path``), and read the UI's base URL for the run link from the triggerer's Airflow
+configuration (``[api] base_url``). Deadlines fire after a failed run as well: the data is stale
+all the same.
 """
 
 from __future__ import annotations
@@ -49,43 +51,81 @@ def deadline_alerts(dag_id: str, run_budget_minutes: float) -> list:
     """The DAG's two deadline alerts."""
     from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
 
+    budget = _seconds(dag_id, "RUN", int(run_budget_minutes * 60))
+    stale = _seconds(dag_id, "STALE", STALE_SECONDS)
     return [
         DeadlineAlert(
             reference=DeadlineReference.DAGRUN_QUEUED_AT,
-            interval=_seconds(dag_id, "RUN", int(run_budget_minutes * 60)),
-            callback=AsyncCallback(deadline_missed, kwargs={"alert": "run_over_budget"}),
+            interval=budget,
+            callback=AsyncCallback(deadline_missed, kwargs={
+                "alert": "run_over_budget", "interval_seconds": int(budget.total_seconds())}),
             name="run_over_budget",
         ),
         DeadlineAlert(
             reference=DeadlineReference.DAGRUN_LOGICAL_DATE,
-            interval=_seconds(dag_id, "STALE", STALE_SECONDS),
-            callback=AsyncCallback(deadline_missed, kwargs={"alert": "no_success_26h"}),
+            interval=stale,
+            callback=AsyncCallback(deadline_missed, kwargs={
+                "alert": "no_success_26h", "interval_seconds": int(stale.total_seconds())}),
             name="no_success_26h",
         ),
     ]
 
 
-def describe(alert: str, context: dict[str, Any] | None) -> dict[str, Any]:
+# what each deadline means, in one line ({span}: its interval in this deployment)
+MISSED = {
+    "run_over_budget": "the run had not finished {span} after it was queued (its time budget "
+                       "and a margin)",
+    "no_success_26h": "the run had not succeeded {span} after its logical date {logical_date}: "
+                      "the job's data is stale",
+}
+
+
+def _span(seconds: float | None) -> str:
+    """93600 -> '26 h', 2700 -> '45 min', 200 -> '3 min 20 s'."""
+    if seconds is None:  # a deadline created before the interval was passed to its callback
+        return "in time"
+    s = int(seconds)
+    parts = [(s // 3600, "h"), (s % 3600 // 60, "min"), (s % 60, "s")]
+    return " ".join(f"{n} {unit}" for n, unit in parts if n) or "0 s"
+
+
+def _iso(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+def describe(alert: str, context: dict[str, Any] | None, interval_seconds: float | None = None,
+             base_url: str | None = None) -> dict[str, Any]:
+    """The alert message of a missed deadline, from the context the scheduler gives its
+    callback (the run as the REST API shows it, and the deadline)."""
     run = (context or {}).get("dag_run") or {}
     deadline = (context or {}).get("deadline") or {}
     state = run.get("state")
+    dag_id = run.get("dag_id")
+    run_id = run.get("dag_run_id") or run.get("run_id")
+    logical_date = run.get("logical_date")
+    description = MISSED.get(alert, "the run missed its deadline ({span})").format(
+        span=_span(interval_seconds), logical_date=logical_date)
     return {
         "deadline_alert": alert,
-        "dag_id": run.get("dag_id"),
-        "run_id": run.get("dag_run_id") or run.get("run_id"),
-        "run_state": state,
-        "logical_date": run.get("logical_date"),
-        "deadline": str(deadline.get("deadline_time")),
+        **alerts.run_fields(alert, description, dag_id, run_id, state, base_url),
+        "logical_date": logical_date,
+        "deadline": _iso(deadline.get("deadline_time")),
         "note": ("the run failed: its data is stale all the same" if state == "failed"
                  else "the run had not succeeded by its deadline"),
     }
 
 
-async def deadline_missed(alert: str, context: dict[str, Any] | None = None, **_: Any) -> None:
-    """Deadline callback (runs in the triggerer): log at ERROR, count, notify."""
-    info = describe(alert, context)
+async def deadline_missed(alert: str, context: dict[str, Any] | None = None,
+                          interval_seconds: float | None = None, **_: Any) -> None:
+    """Deadline callback (runs in the triggerer): log at ERROR, notify, count."""
+    from airflow.configuration import conf
+
+    info = describe(alert, context, interval_seconds, alerts.base_url(conf))
     log.error("deadline missed (%(deadline_alert)s): dag=%(dag_id)s run=%(run_id)s "
-              "state=%(run_state)s deadline=%(deadline)s; %(note)s", info)
+              "state=%(run_state)s deadline=%(deadline)s; %(description)s; %(note)s; "
+              "%(run_url)s", info)
+    await asyncio.to_thread(alerts.notify, "deadline_missed", info)
     metrics.incr("pin_nightly_deadline_missed_total",
                  tags={"dag_id": str(info["dag_id"]), "alert": alert})
-    await asyncio.to_thread(alerts.notify, "deadline_missed", info)

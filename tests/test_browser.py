@@ -1,0 +1,518 @@
+"""The data team's flows in the Airflow UI, in a real browser: Debian's chromium driven by
+Playwright against a real stack (scheduler, dag-processor, triggerer and api-server on
+LocalExecutor, metadata on PostgreSQL) behind the simple auth manager's login.
+
+Covered: logging in; each DAG's trigger form (every param with its description, bad values
+refused with a visible message and no run created); a news FullSweep triggered from the form,
+its labelled mapped ranges in the grid and the summary in the XCom view; clearing one failed
+mapped range from the UI, which resumes from its cursor; a missed deadline on the run page.
+Every step leaves a screenshot in ``test-artifacts/browser/`` (in a subfolder named after
+``PIN_TEST_ID`` when it is set); the Airflow logs are in ``.airflow/web<PIN_TEST_ID>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import psycopg
+import pytest
+
+from tests import helpers
+from tests.conftest import SUFFIX
+from tools import devenv
+from tools.stack import Stack, free_port, stack_env
+
+
+def _skip(reason: str) -> None:
+    print(f"\n[skip] {reason}")
+    pytest.skip(reason, allow_module_level=True)
+
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:
+    _skip("Playwright for Python is not installed (pip install -r requirements.txt "
+          "-c constraints.txt)")
+
+CHROMIUM = shutil.which("chromium")
+if CHROMIUM is None:
+    _skip("chromium is not installed: the browser test drives Debian's package (apt-get install "
+          "chromium; .ci/run installs it when CI=true)")
+
+NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
+USER = "admin"
+ARTIFACTS = devenv.REPO / "test-artifacts" / "browser"
+RUN_TIMEOUT = 240_000  # ms: a DAG run on a busy 2-core machine
+expect.set_options(timeout=30_000)
+
+
+class LoginStack(Stack):
+    """The stack behind the simple auth manager's login: REST calls carry the user's token."""
+
+    def __init__(self, home: Path, env: dict[str, str], username: str, password: str):
+        super().__init__(home, env)
+        self.username, self.password = username, password
+        self._token: str | None = None
+
+    def token(self) -> str:
+        if self._token is None:
+            self._token = self._call("POST", "/auth/token", {
+                "username": self.username, "password": self.password}, auth=False)["access_token"]
+        return self._token
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        return self._call(method, path, body, auth=not path.startswith("/api/v2/monitor/"))
+
+    def _call(self, method: str, path: str, body: Any, auth: bool) -> Any:
+        headers = {"Content-Type": "application/json"}
+        if auth:
+            headers["Authorization"] = f"Bearer {self.token()}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{method} {path}: HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+        return json.loads(text) if text else None
+
+    def manual_runs(self, dag_id: str) -> int:
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns?run_type=manual")["total_entries"]
+
+    def wait_idle(self, dag_ids: tuple[str, ...] = (NEWS, CATALOG), timeout: float = 240) -> None:
+        """Until the scheduled run of each DAG's latest slot (catchup is off: unpausing creates
+        it) exists and every run has ended: a flow that makes runs starts from a quiet stack."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = datetime.now(timezone.utc)
+            dags = {d["dag_id"]: d for d in self.get("/api/v2/dags?limit=100")["dags"]}
+            due = [i for i in dag_ids if dags[i]["next_dagrun_run_after"] is None
+                   or datetime.fromisoformat(dags[i]["next_dagrun_run_after"]) <= now]
+            active = self.get("/api/v2/dags/~/dagRuns?state=queued&state=running")
+            if not due and active["total_entries"] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not idle: slots due {due}, runs {active}")
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def stack(pg_admin):
+    """A real stack whose UI asks for a login: user ``admin`` (role admin) with a password
+    generated for this run, written to the simple auth manager's passwords file before start.
+    Every news run misses its run budget (2 s), so the run page has a missed deadline."""
+    from tools.demodata import create_catalog_schema, create_news_schema
+
+    home = devenv.REPO / ".airflow" / f"web{SUFFIX}"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    news_dsn = devenv.recreate_database(f"pin_web_news{SUFFIX}")
+    create_news_schema(news_dsn)
+    catalog_dsn = devenv.recreate_database(f"pin_web_catalog{SUFFIX}")
+    create_catalog_schema(catalog_dsn)
+    password = secrets.token_urlsafe(18)
+    passwords_file = home / "simple_auth_manager_passwords.json"
+    passwords_file.write_text(json.dumps({USER: password}) + "\n")
+    env = stack_env(home, devenv.recreate_database(f"pin_web_airflow{SUFFIX}"), free_port(), {
+        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
+        "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
+        # unpaused below, once the api-server answers: a task queued before it listens fails
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+    })
+    s = LoginStack(home, env, USER, password)
+    try:
+        s.start()
+        s.wait_for_dags([NEWS, CATALOG])
+        for dag_id in (NEWS, CATALOG):
+            s.request("PATCH", f"/api/v2/dags/{dag_id}?update_mask=is_paused", {"is_paused": False})
+        s.news = helpers.NewsDB(news_dsn, psycopg.connect(news_dsn, autocommit=True))
+        yield s
+    finally:
+        s.stop()
+        if hasattr(s, "news"):
+            s.news.conn.close()
+
+
+@pytest.fixture(scope="module")
+def dag_params() -> dict[str, dict]:
+    """Each DAG's params as the DAG files declare them."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(devenv.REPO / "dags"))
+    assert bag.import_errors == {}
+    return {dag_id: {k: bag.dags[dag_id].params.get_param(k) for k in bag.dags[dag_id].params}
+            for dag_id in (NEWS, CATALOG)}
+
+
+class Shots:
+    """Numbered screenshots of every step, in test-artifacts/browser/."""
+
+    def __init__(self, folder: Path):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        self.folder, self.n = folder, 0
+
+    def __call__(self, page, name: str) -> None:
+        self.n += 1
+        page.screenshot(path=str(self.folder / f"{self.n:02d}-{name}.png"))
+
+
+@pytest.fixture(scope="module")
+def shots() -> Shots:
+    return Shots(ARTIFACTS / SUFFIX.lstrip("_") if SUFFIX else ARTIFACTS)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    args = ["--disable-dev-shm-usage"] + (["--no-sandbox"] if os.geteuid() == 0 else [])
+    pw = sync_playwright().start()
+    try:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            yield b
+        finally:
+            b.close()
+    finally:
+        pw.stop()
+
+
+def _new_page(browser, stack):
+    context = browser.new_context(base_url=stack.base, viewport={"width": 1600, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    return context, page
+
+
+def sign_in(page, username: str, password: str) -> None:
+    """Fill in and send the simple auth manager's login form."""
+    expect(page.get_by_role("heading", name="Sign into Airflow")).to_be_visible()
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(password)
+    page.get_by_role("button", name="Sign in").click()
+
+
+def log_in(page, stack) -> None:
+    page.goto("/")
+    sign_in(page, stack.username, stack.password)
+    expect(page.get_by_role("heading", name="Welcome")).to_be_visible()
+
+
+@pytest.fixture(scope="module")
+def ui(browser, stack):
+    """One logged-in browser page for the flows."""
+    context, page = _new_page(browser, stack)
+    log_in(page, stack)
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def page(ui, shots, request):
+    yield ui
+    name = re.sub(r"[^\w-]+", "-", request.node.name.removeprefix("test_"))[:70].strip("-")
+    shots(ui, f"{name}-end")
+
+
+# --- UI pieces -------------------------------------------------------------------------------
+
+def run_url(dag_id: str, run_id: str, rest: str = "") -> str:
+    return f"/dags/{dag_id}/runs/{quote(run_id)}{rest}"
+
+
+def run_state_badge(page, run_id: str):
+    """The state badge next to the run's heading on the run page."""
+    return page.get_by_role("heading", name=run_id, exact=True).locator(
+        "xpath=..").get_by_test_id("state-badge")
+
+
+def grid_cell(page, run_id: str, task: str):
+    """The grid's cell of ``task`` in the run's column (a mapped task: its mapped list)."""
+    return page.locator(f'a[href$="/runs/{run_id}/tasks/{task}"], '
+                        f'a[href$="/runs/{run_id}/tasks/{task}/mapped"]')
+
+
+def open_mapped_list(page, run_id: str, task: str, count: int) -> None:
+    """From the run page's grid, the list of the mapped task's instances in the run."""
+    grid_cell(page, run_id, task).first.click()
+    expect(page).to_have_url(re.compile(rf"/tasks/{task}/mapped$"))
+    expect(page.get_by_role("heading", name=f"{count} Task Instances")).to_be_visible()
+
+
+def open_trigger_form(page, dag_id: str):
+    page.goto(f"/dags/{dag_id}")
+    page.get_by_role("button", name="Trigger Dag").click()
+    form = page.get_by_role("dialog").filter(has=page.get_by_role("heading", name="Trigger Dag"))
+    expect(form).to_be_visible()
+    return form
+
+
+def field(form, name: str):
+    """A param's row in the trigger form: its label, input and description."""
+    return form.get_by_role("group").filter(has=form.page.locator(f'[name="element_{name}"]'))
+
+
+def ui_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
+
+
+# --- the flows -------------------------------------------------------------------------------
+
+def test_login_with_the_configured_user(browser, stack, shots):
+    context, page = _new_page(browser, stack)
+    try:
+        page.goto("/")
+        expect(page).to_have_url(re.compile(r"/auth/login"))
+        expect(page.get_by_role("heading", name="Sign into Airflow")).to_be_visible()
+        shots(page, "login-page")
+        sign_in(page, stack.username, stack.password + "-wrong")
+        expect(page.get_by_text("Invalid credentials")).to_be_visible()
+        expect(page).to_have_url(re.compile(r"/auth/login"))
+        shots(page, "login-refused")
+        sign_in(page, stack.username, stack.password)
+        expect(page.get_by_role("heading", name="Welcome")).to_be_visible()
+        expect(page).to_have_url(stack.base + "/")
+        shots(page, "logged-in")
+        page.goto("/dags")
+        for dag_id in (NEWS, CATALOG):
+            expect(page.get_by_role("link", name=dag_id, exact=True)).to_be_visible()
+        shots(page, "dag-list")
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("dag_id", [NEWS, CATALOG])
+def test_trigger_form_shows_every_param_and_refuses_bad_values(page, stack, shots, dag_params,
+                                                              dag_id):
+    params = dag_params[dag_id]
+    runs_before = stack.manual_runs(dag_id)
+    form = open_trigger_form(page, dag_id)
+    # every param and nothing else, each with its description and default
+    names = form.locator('[name^="element_"]').evaluate_all("els => els.map(e => e.name)")
+    assert sorted(names) == sorted(f"element_{k}" for k in params)
+    for name, param in params.items():
+        assert param.description, f"{dag_id}: param {name} has no description"
+        row = field(form, name)
+        expect(row).to_have_count(1)
+        expect(row.locator("label").first).to_contain_text(name)
+        expect(row.locator('[id$="::helper-text"]')).to_have_text(param.description)
+        if isinstance(param.value, (int, float, str)) and not isinstance(param.value, bool):
+            expect(form.locator(f'[name="element_{name}"]')).to_have_value(str(param.value))
+        if "enum" in param.schema:  # a select of exactly the allowed values: no wrong one
+            select = form.get_by_role("combobox", name=name)
+            select.click()
+            expect(page.get_by_role("option")).to_have_text([str(v) for v in param.schema["enum"]])
+            shots(page, f"{dag_id}-form-{name}-options")
+            wrong = "Weekly"
+            assert wrong not in param.schema["enum"]
+            select.fill(wrong)
+            expect(page.get_by_role("option")).to_have_count(0)
+            expect(page.get_by_text("No options", exact=True)).to_be_visible()
+            shots(page, f"{dag_id}-form-{name}-no-wrong-value")
+            select.fill("")
+            page.get_by_role("option", name=str(param.value), exact=True).click()
+            expect(form.locator(f'[name="element_{name}"]')).to_have_value(str(param.value))
+    shots(page, f"{dag_id}-form")
+
+    # an integer below its minimum: the number field puts it back to the bound
+    name, schema = next((k, p.schema) for k, p in params.items()
+                        if p.schema.get("type") == "integer" and "minimum" in p.schema)
+    box = form.locator(f'[name="element_{name}"]')
+    box.fill(str(schema["minimum"] - 1))
+    box.press("Tab")
+    expect(box).to_have_value(str(schema["minimum"]))
+    box.fill(str(params[name].value))
+
+    # a number not above its exclusive minimum: refused by the schema, shown in the form
+    name, schema = next((k, p.schema) for k, p in params.items() if "exclusiveMinimum" in p.schema)
+    box = form.locator(f'[name="element_{name}"]')
+    box.fill(str(schema["exclusiveMinimum"]))
+    box.press("Tab")
+    form.get_by_test_id("trigger-dag-submit").click()
+    error = form.get_by_text(f"Invalid input for param {name}")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("less than or equal to the minimum")
+    expect(page.get_by_text("Failed to Trigger Dag").first).to_be_visible()
+    error.scroll_into_view_if_needed()
+    shots(page, f"{dag_id}-form-refused-{name}")
+    box.fill(str(params[name].value))
+    box.press("Tab")
+
+    # a malformed uuid in the id list: refused with the pattern
+    name = next(k for k, p in params.items() if p.schema.get("items", {}).get("pattern"))
+    form.locator(f'[name="element_{name}"]').fill("not-a-uuid")
+    form.get_by_test_id("trigger-dag-submit").click()
+    error = form.get_by_text(f"Invalid input for param {name}")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("'not-a-uuid' does not match")
+    error.scroll_into_view_if_needed()
+    shots(page, f"{dag_id}-form-refused-{name}")
+
+    form.get_by_role("button", name="Close").click()
+    expect(form).to_be_hidden()
+    assert stack.manual_runs(dag_id) == runs_before
+
+
+@pytest.fixture(scope="module")
+def sweep_run(ui, stack, shots) -> str:
+    """A news FullSweep of 60 drifted posts in 3 ranges, triggered from the form; ends green."""
+    page = ui
+    db = stack.news
+    stack.wait_idle()
+    db.q("TRUNCATE news.posts, news.comments")
+    db.posts(60, drift_every=1)
+    form = open_trigger_form(page, NEWS)
+    form.get_by_role("combobox", name="scope").click()
+    page.get_by_role("option", name="FullSweep", exact=True).click()
+    form.locator('[name="element_batch_size"]').fill("5")
+    form.locator('[name="element_max_ranges"]').fill("3")
+    shots(page, "news-fullsweep-form")
+    form.get_by_test_id("trigger-dag-submit").click()
+    expect(page).to_have_url(re.compile(rf"/dags/{NEWS}/runs/manual__"))
+    run_id = unquote(re.search(r"/runs/([^/?#]+)", page.url)[1])
+    shots(page, "news-fullsweep-triggered")
+    expect(run_state_badge(page, run_id)).to_have_text("Success", timeout=RUN_TIMEOUT)
+    shots(page, "news-fullsweep-success")
+    return run_id
+
+
+def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(page, stack, shots,
+                                                                      sweep_run):
+    db, run_id = stack.news, sweep_run
+    conf = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{quote(run_id)}")["conf"]
+    assert (conf["scope"], conf["batch_size"], conf["max_ranges"]) == ("FullSweep", 5, 3)
+    sweep = db.one("SELECT DISTINCT sweep_id FROM pin_nightly.sweep_range WHERE run_id = %s",
+                   run_id)
+    ranges = db.q("SELECT range_no, lower_id::text, upper_id::text FROM pin_nightly.sweep_range "
+                  "WHERE sweep_id = %s ORDER BY range_no", sweep)
+    labels = [f"FullSweep#{n} ({(lo or 'start')[:8]}..{(hi or 'end')[:8]}]" for n, lo, hi in ranges]
+    assert len(labels) == 3
+
+    # the grid's mapped task lists the ranges by their labels
+    page.goto(run_url(NEWS, run_id))
+    open_mapped_list(page, run_id, "reconcile_range", len(labels))
+    for label in labels:
+        row = page.get_by_role("row").filter(has=page.get_by_role("link", name=label, exact=True))
+        expect(row).to_have_count(1)
+        expect(row.get_by_test_id("state-badge")).to_have_text("Success")
+    shots(page, "news-fullsweep-mapped-ranges")
+
+    # the summary, as summarize returned it, in its XCom view
+    result = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
+    assert result["status"] == "success" and result["drift_corrected"] == 60
+    grid_cell(page, run_id, "summarize").first.click()
+    page.get_by_role("link", name="Storage").click()
+    page.get_by_role("link", name="XCom").click()
+    expect(page).to_have_url(re.compile(r"/tasks/summarize/xcom$"))
+    for key in ("status", "scope", "posts_reconciled", "drift_corrected", "backlog_remaining"):
+        row = page.get_by_role("row").filter(has=page.get_by_role("cell", name=key, exact=True))
+        expect(row.get_by_role("cell").nth(2).locator("p")).to_have_text(ui_text(result[key]))
+    expect(page.get_by_role("row").filter(
+        has=page.get_by_role("cell", name="return_value", exact=True))).to_have_count(1)
+    shots(page, "news-fullsweep-summary-xcom")
+    assert db.drifted_posts() == 0
+
+
+def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
+    db = stack.news
+    stack.wait_idle()
+    db.q("TRUNCATE news.posts, news.comments")
+    ids = db.posts(60, drift_every=1)
+    poison = ids[45]
+    db.q("CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
+         f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+         "RETURN NEW; END $$")
+    db.q("CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+         "EXECUTE FUNCTION public.fail_one()")
+    try:
+        run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
+        page.goto(run_url(NEWS, run_id))
+        expect(run_state_badge(page, run_id)).to_have_text("Failed", timeout=RUN_TIMEOUT)
+        shots(page, "news-range-failed")
+        states = stack.task_states(NEWS, run_id)
+        assert states["reconcile_range[2]"] == "failed"
+        assert states["reconcile_range[0]"] == states["reconcile_range[1]"] == "success"
+        sweep = db.one("SELECT DISTINCT sweep_id FROM pin_nightly.sweep_range WHERE run_id = %s",
+                       run_id)
+        cursor = db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range "
+                        "WHERE sweep_id = %s AND range_no = 2", sweep)
+        assert ids[40] <= cursor < poison
+    finally:
+        db.q("DROP TRIGGER IF EXISTS fail_one ON news.posts")
+
+    # the failed range in the grid's mapped list, then its task instance, then Clear
+    open_mapped_list(page, run_id, "reconcile_range", 3)
+    failed = page.get_by_role("row").filter(has_text="FullSweep#2 (")
+    expect(failed.get_by_test_id("state-badge")).to_have_text("Failed")
+    failed.get_by_role("link", name=re.compile(r"^FullSweep#2 \(")).click()
+    expect(page).to_have_url(re.compile(r"/tasks/reconcile_range/mapped/2$"))
+    page.get_by_role("button", name="Press shift+c to clear").click()
+    dialog = page.get_by_role("dialog").filter(
+        has=page.get_by_role("heading", name=re.compile(r"Clear Task Instance")))
+    expect(dialog.get_by_role("row").filter(has_text="reconcile_range")).to_have_count(1)
+    affected = set()
+    for row in dialog.get_by_role("row").all()[1:]:
+        cells = row.get_by_role("cell").all_inner_texts()
+        affected.add((cells[1].strip(), int(cells[3])))
+    shots(page, "news-clear-one-range")
+    # that range alone with its downstream tasks (and the lease setup the UI adds to them);
+    # neither the other ranges nor the planning
+    assert [i for t, i in affected if t == "reconcile_range"] == [2], affected
+    tasks = {t for t, _ in affected}
+    assert {"summarize", "release_lease"} <= tasks and not tasks & {"validate_options",
+                                                                    "plan_ranges"}, affected
+    dialog.get_by_role("button", name="Confirm").click()
+    expect(dialog).to_be_hidden()
+
+    page.goto(run_url(NEWS, run_id))
+    expect(run_state_badge(page, run_id)).to_have_text("Success", timeout=RUN_TIMEOUT)
+    open_mapped_list(page, run_id, "reconcile_range", 3)
+    headers = page.get_by_role("columnheader").all_inner_texts()
+    try_column = next(i for i, h in enumerate(headers) if "Try Number" in h)
+    for n in range(3):  # only the cleared range ran twice
+        row = page.get_by_role("row").filter(has_text=f"FullSweep#{n} (")
+        expect(row.get_by_test_id("state-badge")).to_have_text("Success")
+        expect(row.get_by_role("cell").nth(try_column)).to_have_text("2" if n == 2 else "1")
+    shots(page, "news-cleared-range-success")
+
+    tis = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{quote(run_id)}/taskInstances?limit=100")
+    tries = {(t["task_id"], t["map_index"]): t["try_number"] for t in tis["task_instances"]}
+    assert tries[("reconcile_range", 2)] == 2
+    assert tries[("reconcile_range", 0)] == tries[("reconcile_range", 1)] == 1
+    assert tries[("plan_ranges", -1)] == 1
+    rows = db.q("SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
+                "WHERE sweep_id = %s ORDER BY range_no", sweep)
+    assert [n for _, n in rows] == [20, 20, 20]  # the range resumed; nothing was read twice
+    assert db.drifted_posts() == 0
+    assert db.q("SELECT count(*), count(DISTINCT post_id) FROM pin_nightly.news_drift "
+                "WHERE sweep_id = %s", sweep) == [(60, 60)]
+    assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
+    summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
+    assert summary["status"] == "success" and summary["backlog_remaining"] is False
+
+
+def test_a_missed_deadline_shows_on_the_run_page(page, stack, shots, sweep_run):
+    run_id = sweep_run
+    deadlines = stack.get(f"/ui/dags/{NEWS}/dagRuns/{quote(run_id)}/deadlines")["deadlines"]
+    assert any(d["missed"] and d["alert_name"] == "run_over_budget" for d in deadlines), deadlines
+    page.goto(run_url(NEWS, run_id))
+    stat = page.get_by_test_id("stat").filter(
+        has=page.get_by_role("heading", name="Deadline", exact=True))
+    expect(stat).to_contain_text("Missed")
+    expect(stat).to_contain_text("run_over_budget")
+    expect(stat).to_contain_text(re.compile(r"Finished \d\d:\d\d:\d\d after deadline"))
+    shots(page, "news-run-missed-deadline")
