@@ -7,7 +7,7 @@
 # (https://airflow.apache.org/docs/docker-stack/build.html), never installed at container
 # start. Only the two dependency files are copied: dags/, plugins/ and include/ are mounted
 # by docker-compose.yaml (bake them in with COPY for a deployment without bind mounts).
-# requirements.txt also lists the dev-only pgserver and pytest; they are unused at runtime.
+# requirements.txt is the runtime set only (development tools are in requirements-dev.txt).
 FROM apache/airflow:3.3.2-python3.11
 
 USER airflow

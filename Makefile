@@ -2,15 +2,19 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat requirements.txt constraints.txt | cksum | cut -d' ' -f1)
+DEPS   := requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+STAMP  := $(VENV)/.installed-$(shell cat $(DEPS) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test airflow bench constraints clean stop
+.PHONY: setup demo test lint airflow bench constraints clean stop
 
-$(STAMP): requirements.txt constraints.txt
+# The development venv: runtime and development dependencies pinned by constraints.txt, and
+# the job package (plugins/pin_nightly) installed editable.
+$(STAMP): $(DEPS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		-r requirements.txt -c constraints.txt
+		-r requirements-dev.txt -c constraints.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@rm -f $(VENV)/.installed-* && touch $@
 
 setup: $(STAMP)
@@ -18,8 +22,13 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m tools.demo
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff: lint rules and formatting as configured in pyproject.toml
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The real Airflow (standalone) on 127.0.0.1:8080 with demo data; Ctrl-C or `make stop`.
 airflow: setup
@@ -30,11 +39,11 @@ SCALE ?= 1
 bench: setup
 	$(BIN)/python -m bench.run --scale $(SCALE)
 
-# Re-pin the full dependency set after changing requirements.txt.
+# Re-pin the full dependency set after changing requirements.txt or requirements-dev.txt.
 constraints:
 	rm -rf /tmp/pin-nightly-constraints && $(PYTHON) -m venv /tmp/pin-nightly-constraints
-	/tmp/pin-nightly-constraints/bin/pip install --quiet -r requirements.txt
-	{ echo "# Full pinned set for Python 3.11 (pip freeze of a venv built from requirements.txt)."; \
+	/tmp/pin-nightly-constraints/bin/pip install --quiet -r requirements-dev.txt
+	{ echo "# Full pinned set for Python 3.11 (pip freeze of a venv built from requirements-dev.txt)."; \
 	  echo "# Regenerate: make constraints"; \
 	  /tmp/pin-nightly-constraints/bin/pip freeze; } > constraints.txt
 

@@ -6,8 +6,7 @@ import json
 import os
 import platform
 import statistics
-import sys
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -24,7 +23,7 @@ AS_OF = date(2026, 11, 1)
 # rows, ids included); the DailyWindow's input is then moved up to the wall clock
 # (bench.generate.reage_news). Generator version 3 anchored the news data at the generation
 # instant instead; otherwise the same.
-NEWS_ANCHOR = datetime(2026, 11, 1, tzinfo=timezone.utc)
+NEWS_ANCHOR = datetime(2026, 11, 1, tzinfo=UTC)
 GENERATOR_VERSION = 4
 
 
@@ -40,15 +39,8 @@ def catalog_db(scale: float) -> str:
     return f"pin_bench_catalog_s{scale_tag(scale)}"
 
 
-def setup_paths() -> None:
-    for p in (str(REPO / "plugins"), str(REPO)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-
-
 def setup_airflow_env() -> None:
     """Point Airflow at a home of the benchmark's own (before anything imports airflow)."""
-    setup_paths()
     from tools import devenv
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -100,9 +92,16 @@ def machine_facts(dsn: str) -> dict:
         pass
     with psycopg.connect(dsn, autocommit=True) as conn:
         facts["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
-        for name in ("shared_buffers", "work_mem", "maintenance_work_mem",
-                     "max_parallel_workers_per_gather", "effective_cache_size", "jit",
-                     "synchronous_commit", "random_page_cost"):
+        for name in (
+            "shared_buffers",
+            "work_mem",
+            "maintenance_work_mem",
+            "max_parallel_workers_per_gather",
+            "effective_cache_size",
+            "jit",
+            "synchronous_commit",
+            "random_page_cost",
+        ):
             facts[f"pg_{name}"] = conn.execute(f"SHOW {name}").fetchone()[0]
     return facts
 
@@ -156,8 +155,11 @@ def wait_quiet(threshold: float = 0.2, window: float = 1.0, max_wait: float = 60
         busy = busy_between(a, cpu_sample())
         waited = time.monotonic() - t0
         if busy is None or busy < threshold or waited >= max_wait:
-            return {"waited_s": round(waited, 1), "busy_before": None if busy is None
-                    else round(busy, 3), "quiet": busy is None or busy < threshold}
+            return {
+                "waited_s": round(waited, 1),
+                "busy_before": None if busy is None else round(busy, 3),
+                "quiet": busy is None or busy < threshold,
+            }
 
 
 def code_version() -> dict:
@@ -166,11 +168,14 @@ def code_version() -> dict:
 
     def git(*a):
         try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *a], cwd=REPO, capture_output=True, text=True, check=True
+            ).stdout.strip()
         except Exception:  # noqa: BLE001
             return None
 
     dirty = git("status", "--porcelain", "--", "plugins", "include", "dags")
-    return {"head": git("rev-parse", "--short", "HEAD"),
-            "modified": [ln[3:] for ln in (dirty or "").splitlines()]}
+    return {
+        "head": git("rev-parse", "--short", "HEAD"),
+        "modified": [ln[3:] for ln in (dirty or "").splitlines()],
+    }

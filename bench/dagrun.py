@@ -18,8 +18,11 @@ from bench.common import AIRFLOW_HOME, setup_airflow_env
 
 
 def main() -> None:
-    dag_id, conf, logical = sys.argv[1], json.loads(sys.argv[2]), datetime.fromisoformat(
-        sys.argv[3])
+    dag_id, conf, logical = (
+        sys.argv[1],
+        json.loads(sys.argv[2]),
+        datetime.fromisoformat(sys.argv[3]),
+    )
     setup_airflow_env()
     from tools import devenv
 
@@ -35,18 +38,35 @@ def main() -> None:
 
     tasks = []
     with create_session() as session:
-        for ti in session.query(TaskInstance).filter(TaskInstance.dag_id == dag_id,
-                                                     TaskInstance.run_id == r["run_id"]):
-            tasks.append({"task_id": ti.task_id, "map_index": ti.map_index,
-                          "state": str(ti.state),
-                          "start": ti.start_date.isoformat() if ti.start_date else None,
-                          "end": ti.end_date.isoformat() if ti.end_date else None,
-                          "duration": ti.duration})
+        for ti in session.query(TaskInstance).filter(
+            TaskInstance.dag_id == dag_id, TaskInstance.run_id == r["run_id"]
+        ):
+            tasks.append(
+                {
+                    "task_id": ti.task_id,
+                    "map_index": ti.map_index,
+                    "state": str(ti.state),
+                    "start": ti.start_date.isoformat() if ti.start_date else None,
+                    "end": ti.end_date.isoformat() if ti.end_date else None,
+                    "duration": ti.duration,
+                }
+            )
     tasks.sort(key=lambda t: t["start"] or "")
-    print(json.dumps({"wall_s": wall, "run_id": r["run_id"], "state": r["state"],
-                      "summary": r["summary"], "task_states": r["tasks"], "tasks": tasks,
-                      "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss},
-                     default=str), flush=True)
+    print(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "run_id": r["run_id"],
+                "state": r["state"],
+                "summary": r["summary"],
+                "task_states": r["tasks"],
+                "tasks": tasks,
+                "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            },
+            default=str,
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ statement's execution time and its plan text (for the report).
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from bench import variants
 from bench.common import AS_OF, OUT, scale_tag
@@ -26,8 +26,11 @@ def _explain(cur, text: str, params: dict, opts: str = "ANALYZE, BUFFERS") -> di
 
 def _result(plan: str) -> dict:
     m, p = EXEC.search(plan), PLAN.search(plan)
-    return {"ms": float(m.group(1)) if m else None, "plan_ms": float(p.group(1)) if p else None,
-            "plan": plan}
+    return {
+        "ms": float(m.group(1)) if m else None,
+        "plan_ms": float(p.group(1)) if p else None,
+        "plan": plan,
+    }
 
 
 def _numbered(text: str) -> tuple[str, list[str]]:
@@ -62,8 +65,9 @@ def _generic_analyze(cur, text: str, types: dict[str, str], params: dict) -> dic
     cur.execute("DEALLOCATE ALL")
     cur.execute(f"PREPARE pin_bench_g ({', '.join(types[n] for n in names)}) AS {numbered}")
     cur.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-    args = psql.SQL(", ").join(psql.SQL("{}::{}").format(psql.Literal(params[n]),
-                                                          psql.SQL(types[n])) for n in names)
+    args = psql.SQL(", ").join(
+        psql.SQL("{}::{}").format(psql.Literal(params[n]), psql.SQL(types[n])) for n in names
+    )
     q = psql.SQL("EXPLAIN (ANALYZE, BUFFERS) EXECUTE pin_bench_g ({})").format(args)
     cur.execute(q.as_string(cur))
     plan = "\n".join(r[0] for r in cur.fetchall())
@@ -108,8 +112,9 @@ def explain_news(dsn: str, scale: float) -> dict:
     out: dict = {}
     with psycopg.connect(dsn) as conn, conn.cursor() as cur:
         n = cur.execute("SELECT count(*) FROM news.posts").fetchone()[0]
-        after = cur.execute("SELECT id::text FROM news.posts ORDER BY id OFFSET %s LIMIT 1",
-                            (n // 2,)).fetchone()[0]
+        after = cur.execute(
+            "SELECT id::text FROM news.posts ORDER BY id OFFSET %s LIMIT 1", (n // 2,)
+        ).fetchone()[0]
         batch = news.DEFAULTS["batch_size"]
         lock_p = {"after_id": after, "upper_id": None, "limit": batch}
         out["news/full_lock"] = _explain(cur, sql("news/full_lock"), lock_p)
@@ -123,27 +128,31 @@ def explain_news(dsn: str, scale: float) -> dict:
         out[f"news/apply ({len(ids)} posts)"] = _explain(cur, sql("news/apply"), apply_p)
         conn.rollback()
         out["news/full_lock generic plan"] = _generic(cur, sql("news/full_lock"))
-        out["variant lock_all: news/full_lock"] = _explain(
-            cur, variants.NEWS_FULL_LOCK_ALL, lock_p)
+        out["variant lock_all: news/full_lock"] = _explain(cur, variants.NEWS_FULL_LOCK_ALL, lock_p)
         conn.rollback()
         # the plan a prepared statement switches to, at 90 % of the keyset
-        late = cur.execute("SELECT id::text FROM news.posts ORDER BY id OFFSET %s LIMIT 1",
-                           (n * 9 // 10,)).fetchone()[0]
+        late = cur.execute(
+            "SELECT id::text FROM news.posts ORDER BY id OFFSET %s LIMIT 1", (n * 9 // 10,)
+        ).fetchone()[0]
         late_p = {"after_id": late, "upper_id": None, "limit": batch}
         types = {"after_id": "uuid", "upper_id": "uuid", "limit": "bigint"}
         out["news/full_lock, generic plan, batch at 90 %"] = _generic_analyze(
-            cur, sql("news/full_lock"), types, late_p)
+            cur, sql("news/full_lock"), types, late_p
+        )
         out["news/full_lock, custom plan, batch at 90 %"] = _explain(
-            cur, sql("news/full_lock"), late_p)
+            cur, sql("news/full_lock"), late_p
+        )
         conn.rollback()
         # the DailyWindow candidate scan (materialized once per window sweep)
         sweep_id = cur.execute(
             "INSERT INTO pin_nightly.sweep (job, scope, family, resumable, run_id) "
             "VALUES ('explain', 'DailyWindow', 'DailyWindow', false, 'explain') "
-            "RETURNING sweep_id").fetchone()[0]
-        cutoff = datetime.now(timezone.utc) - timedelta(hours=26)
+            "RETURNING sweep_id"
+        ).fetchone()[0]
+        cutoff = datetime.now(UTC) - timedelta(hours=26)
         out["news/window_candidates"] = _explain(
-            cur, sql("news/window_candidates"), {"sweep_id": sweep_id, "cutoff": cutoff})
+            cur, sql("news/window_candidates"), {"sweep_id": sweep_id, "cutoff": cutoff}
+        )
         conn.rollback()
         out["floor (one UPDATE)"] = _explain(cur, NEWS_FLOOR, {})
         conn.rollback()
@@ -155,36 +164,55 @@ def explain_catalog(dsn: str, scale: float) -> dict:
     import psycopg
 
     from pin_nightly import catalog
-    from pin_nightly.db import sql
 
     variants.install(variants.get("baseline"))
     out: dict = {}
     d = catalog.DEFAULTS
     with psycopg.connect(dsn) as conn, conn.cursor() as cur:
         n = cur.execute("SELECT count(*) FROM catalog.property_object_cards").fetchone()[0]
-        after = cur.execute("SELECT id::text FROM catalog.property_object_cards ORDER BY id "
-                            "OFFSET %s LIMIT 1", (n // 2,)).fetchone()[0]
+        after = cur.execute(
+            "SELECT id::text FROM catalog.property_object_cards ORDER BY id OFFSET %s LIMIT 1",
+            (n // 2,),
+        ).fetchone()[0]
         lock_sql = catalog.card_sql("lock", "PropertyObject")
-        lock_p = {"after_id": after, "upper_id": None, "limit": d["batch_size"],
-                  "targeted": False, "card_ids": []}
+        lock_p = {
+            "after_id": after,
+            "upper_id": None,
+            "limit": d["batch_size"],
+            "targeted": False,
+            "card_ids": [],
+        }
         out["catalog/lock"] = _explain(cur, lock_sql, lock_p)
         cur.execute(lock_sql, lock_p)
         rows = [r for r in cur.fetchall() if r[1]]
         apply_sql = catalog.card_sql("apply", "PropertyObject")
-        apply_p = {"ids": [r[0] for r in rows], "views": [r[2] for r in rows],
-                   "kind": "PropertyObject", "as_of": AS_OF.isoformat(),
-                   "window_days": d["window_days"], "half_life": d["half_life_days"]}
+        apply_p = {
+            "ids": [r[0] for r in rows],
+            "views": [r[2] for r in rows],
+            "kind": "PropertyObject",
+            "as_of": AS_OF.isoformat(),
+            "window_days": d["window_days"],
+            "half_life": d["half_life_days"],
+        }
         out["catalog/apply"] = _explain(cur, apply_sql, apply_p)
         out["catalog/apply (timed x5)"] = _timed(cur, apply_sql, apply_p)
         out["catalog/apply generic plan"] = _generic(cur, apply_sql)
         conn.rollback()
-        late = cur.execute("SELECT id::text FROM catalog.property_object_cards ORDER BY id "
-                           "OFFSET %s LIMIT 1", (n * 9 // 10,)).fetchone()[0]
+        late = cur.execute(
+            "SELECT id::text FROM catalog.property_object_cards ORDER BY id OFFSET %s LIMIT 1",
+            (n * 9 // 10,),
+        ).fetchone()[0]
         late_p = {**lock_p, "after_id": late}
-        types = {"after_id": "uuid", "upper_id": "uuid", "limit": "bigint",
-                 "targeted": "boolean", "card_ids": "uuid[]"}
+        types = {
+            "after_id": "uuid",
+            "upper_id": "uuid",
+            "limit": "bigint",
+            "targeted": "boolean",
+            "card_ids": "uuid[]",
+        }
         out["catalog/lock, generic plan, batch at 90 %"] = _generic_analyze(
-            cur, lock_sql, types, late_p)
+            cur, lock_sql, types, late_p
+        )
         out["catalog/lock, custom plan, batch at 90 %"] = _explain(cur, lock_sql, late_p)
         conn.rollback()
         fp = {"as_of": AS_OF, "window_days": d["window_days"], "half_life": d["half_life_days"]}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from bench.common import AS_OF, GENERATOR_VERSION, NEWS_ANCHOR, SEED, catalog_db, news_db
 
@@ -162,9 +162,11 @@ SELECT (SELECT count(*) FROM catalog.property_object_cards) AS property_object_c
        (SELECT max(run_date) FROM catalog.popularity_daily_views) AS last_night
 """
 
-PIN_TABLES = ("pin_nightly.job_lease, pin_nightly.sweep, pin_nightly.sweep_range, "
-              "pin_nightly.run_log, pin_nightly.news_drift, pin_nightly.news_window_candidate, "
-              "pin_nightly.news_skipped_post")
+PIN_TABLES = (
+    "pin_nightly.job_lease, pin_nightly.sweep, pin_nightly.sweep_range, "
+    "pin_nightly.run_log, pin_nightly.news_drift, pin_nightly.news_window_candidate, "
+    "pin_nightly.news_skipped_post"
+)
 
 
 def _connect(dsn: str, autocommit: bool = True):
@@ -184,8 +186,10 @@ def _database_exists(name: str) -> bool:
     from tools import devenv
 
     with _connect(devenv.admin_dsn()) as conn:
-        return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                            (name,)).fetchone() is not None
+        return (
+            conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            is not None
+        )
 
 
 def read_meta(dsn: str) -> dict | None:
@@ -206,8 +210,10 @@ def _write_meta(conn, meta: dict) -> None:
     meta = json.loads(json.dumps(meta, default=str))
     conn.execute("CREATE TABLE IF NOT EXISTS bench.meta (k text PRIMARY KEY, v jsonb)")
     for k, v in meta.items():
-        conn.execute("INSERT INTO bench.meta VALUES (%s, %s) ON CONFLICT (k) DO UPDATE "
-                     "SET v = excluded.v", (k, Jsonb(v)))
+        conn.execute(
+            "INSERT INTO bench.meta VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = excluded.v",
+            (k, Jsonb(v)),
+        )
 
 
 def _usable(name: str, scale: float) -> dict | None:
@@ -216,8 +222,13 @@ def _usable(name: str, scale: float) -> dict | None:
     if not _database_exists(name):
         return None
     meta = read_meta(devenv.dsn_for(name))
-    if (meta and meta.get("complete") and meta.get("scale") == scale
-            and meta.get("seed") == SEED and meta.get("version") == GENERATOR_VERSION):
+    if (
+        meta
+        and meta.get("complete")
+        and meta.get("scale") == scale
+        and meta.get("seed") == SEED
+        and meta.get("version") == GENERATOR_VERSION
+    ):
         return meta
     return None
 
@@ -266,21 +277,34 @@ def ensure_news(scale: float, regenerate: bool = False) -> dict:
         conn.execute("CREATE SCHEMA bench")
         conn.execute(UUID7_FN)
         conn.execute("SELECT setseed(%s)", (SEED % 1000 / 1000,))
-        _step(conn, "posts (plan)", NEWS_POSTS_GEN,
-              {"now": now, "n": n_posts, "target": n_comments,
-               # the hottest post gets at most ~0.4 % of all comments, at every scale
-               "w_max": max(10.0, 0.004 * n_comments / 5)})
+        _step(
+            conn,
+            "posts (plan)",
+            NEWS_POSTS_GEN,
+            {
+                "now": now,
+                "n": n_posts,
+                "target": n_comments,
+                # the hottest post gets at most ~0.4 % of all comments, at every scale
+                "w_max": max(10.0, 0.004 * n_comments / 5),
+            },
+        )
         conn.execute("SELECT setseed(%s)", (SEED % 1000 / 1000 - 0.5,))
         _step(conn, "comments", NEWS_COMMENTS, {"now": now})
         conn.execute("SELECT setseed(%s)", (SEED % 1000 / 1000 - 0.25,))
         _step(conn, "posts", NEWS_POSTS)
     t = time.monotonic()
-    devenv.run_sql_file(_dsn_with(dsn, maintenance_work_mem="2GB"),
-                        "schema/news_recommended_indexes.sql")
+    devenv.run_sql_file(
+        _dsn_with(dsn, maintenance_work_mem="2GB"), "schema/news_recommended_indexes.sql"
+    )
     log.info("  %-34s %7.1f s", "recommended indexes", time.monotonic() - t)
     with _connect(dsn) as conn:
-        _step(conn, "pristine copy", "CREATE TABLE bench.posts_pristine AS "
-              "SELECT id, comments_count, updated_at FROM news.posts")
+        _step(
+            conn,
+            "pristine copy",
+            "CREATE TABLE bench.posts_pristine AS "
+            "SELECT id, comments_count, updated_at FROM news.posts",
+        )
         conn.execute("ALTER TABLE bench.posts_pristine ADD PRIMARY KEY (id)")
         # Repeatable timings: vacuum runs between repetitions, not in the middle of one.
         for table in ("news.posts", "news.comments"):
@@ -289,13 +313,21 @@ def ensure_news(scale: float, regenerate: bool = False) -> dict:
         row = conn.execute(NEWS_FACTS, {"now": now})
         facts = dict(zip([d.name for d in row.description], row.fetchone()))
         conn.execute("DROP TABLE bench.posts_gen")
-        size = conn.execute("SELECT pg_size_pretty(pg_database_size(current_database()))"
-                            ).fetchone()[0]
-        meta = {"scale": scale, "seed": SEED, "version": GENERATOR_VERSION,
-                "generated_at": datetime.now(timezone.utc).isoformat(),
-                "data_as_of": now.isoformat(), "changes_anchor": now.isoformat(),
-                "facts": facts, "db_size": size,
-                "generate_s": round(time.monotonic() - started, 1), "complete": True}
+        size = conn.execute(
+            "SELECT pg_size_pretty(pg_database_size(current_database()))"
+        ).fetchone()[0]
+        meta = {
+            "scale": scale,
+            "seed": SEED,
+            "version": GENERATOR_VERSION,
+            "generated_at": datetime.now(UTC).isoformat(),
+            "data_as_of": now.isoformat(),
+            "changes_anchor": now.isoformat(),
+            "facts": facts,
+            "db_size": size,
+            "generate_s": round(time.monotonic() - started, 1),
+            "complete": True,
+        }
         _write_meta(conn, meta)
     log.info("news data ready in %.0f s: %s (%s)", meta["generate_s"], facts, size)
     return meta
@@ -331,8 +363,10 @@ def ensure_catalog(scale: float, regenerate: bool = False) -> dict:
         conn.execute(UUID7_FN)
         conn.execute("SELECT setseed(%s)", (SEED % 1000 / 1000,))
         _step(conn, "cards (plan)", CATALOG_CARD_GEN, {"n1": n1, "n2": n2})
-        for kind, table in (("PropertyObject", "catalog.property_object_cards"),
-                            ("Project", "catalog.project_cards")):
+        for kind, table in (
+            ("PropertyObject", "catalog.property_object_cards"),
+            ("Project", "catalog.project_cards"),
+        ):
             _step(conn, f"cards {kind}", CATALOG_CARDS.format(table=table), {"kind": kind})
         t = time.monotonic()
         nights = 0
@@ -344,30 +378,44 @@ def ensure_catalog(scale: float, regenerate: bool = False) -> dict:
             nights += 1
         log.info("  %-34s %7.1f s", f"snapshots ({nights} nights)", time.monotonic() - t)
     t = time.monotonic()
-    devenv.run_sql_file(_dsn_with(dsn, maintenance_work_mem="2GB"),
-                        "schema/catalog_popularity.sql")
+    devenv.run_sql_file(_dsn_with(dsn, maintenance_work_mem="2GB"), "schema/catalog_popularity.sql")
     log.info("  %-34s %7.1f s", "snapshot indexes", time.monotonic() - t)
     with _connect(dsn) as conn:
-        _step(conn, "pristine copy", """
+        _step(
+            conn,
+            "pristine copy",
+            """
             CREATE TABLE bench.cards_pristine AS
             SELECT 'PropertyObject'::text AS kind, id, popularity_score, updated_at
               FROM catalog.property_object_cards
             UNION ALL
-            SELECT 'Project', id, popularity_score, updated_at FROM catalog.project_cards""")
+            SELECT 'Project', id, popularity_score, updated_at FROM catalog.project_cards""",
+        )
         conn.execute("ALTER TABLE bench.cards_pristine ADD PRIMARY KEY (kind, id)")
-        for table in ("catalog.property_object_cards", "catalog.project_cards",
-                      "catalog.popularity_daily_views"):
+        for table in (
+            "catalog.property_object_cards",
+            "catalog.project_cards",
+            "catalog.popularity_daily_views",
+        ):
             conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
         _step(conn, "vacuum analyze", "VACUUM ANALYZE")
         row = conn.execute(CATALOG_FACTS)
         facts = dict(zip([d.name for d in row.description], row.fetchone()))
         conn.execute("DROP TABLE bench.card_gen")
-        size = conn.execute("SELECT pg_size_pretty(pg_database_size(current_database()))"
-                            ).fetchone()[0]
-        meta = {"scale": scale, "seed": SEED, "version": GENERATOR_VERSION,
-                "generated_at": datetime.now(timezone.utc).isoformat(),
-                "as_of": AS_OF.isoformat(), "facts": facts, "db_size": size,
-                "generate_s": round(time.monotonic() - started, 1), "complete": True}
+        size = conn.execute(
+            "SELECT pg_size_pretty(pg_database_size(current_database()))"
+        ).fetchone()[0]
+        meta = {
+            "scale": scale,
+            "seed": SEED,
+            "version": GENERATOR_VERSION,
+            "generated_at": datetime.now(UTC).isoformat(),
+            "as_of": AS_OF.isoformat(),
+            "facts": facts,
+            "db_size": size,
+            "generate_s": round(time.monotonic() - started, 1),
+            "complete": True,
+        }
         _write_meta(conn, meta)
     log.info("catalog data ready in %.0f s: %s (%s)", meta["generate_s"], facts, size)
     return meta
@@ -382,18 +430,23 @@ def reage_news(dsn: str, max_age: timedelta = timedelta(minutes=20)) -> bool:
     with _connect(dsn) as conn:
         meta = {k: v for k, v in conn.execute("SELECT k, v FROM bench.meta").fetchall()}
         anchor = datetime.fromisoformat(meta["changes_anchor"])
-        now = datetime.now(timezone.utc).replace(microsecond=0)
+        now = datetime.now(UTC).replace(microsecond=0)
         if now - anchor < max_age:
             return False
         t = time.monotonic()
         n = conn.execute(
             "UPDATE news.comments SET updated_at = updated_at + (%(now)s - %(anchor)s) "
             "WHERE updated_at >= %(anchor)s::timestamptz - interval '26 hours'",
-            {"now": now, "anchor": anchor}).rowcount
+            {"now": now, "anchor": anchor},
+        ).rowcount
         _write_meta(conn, {"changes_anchor": now.isoformat()})
         conn.execute("VACUUM ANALYZE news.comments")
-        log.info("moved %d recent comment changes forward by %s (%.1f s)", n, now - anchor,
-                 time.monotonic() - t)
+        log.info(
+            "moved %d recent comment changes forward by %s (%.1f s)",
+            n,
+            now - anchor,
+            time.monotonic() - t,
+        )
     return True
 
 
@@ -408,8 +461,9 @@ def reset_news(dsn: str) -> float:
              WHERE o.id = p.id AND (p.comments_count, p.updated_at)
                    IS DISTINCT FROM (o.comments_count, o.updated_at)""")
         conn.execute("VACUUM news.posts")
-        conn.execute("VACUUM ANALYZE pin_nightly.sweep, pin_nightly.sweep_range, "
-                     "pin_nightly.job_lease")
+        conn.execute(
+            "VACUUM ANALYZE pin_nightly.sweep, pin_nightly.sweep_range, pin_nightly.job_lease"
+        )
         conn.execute("CHECKPOINT")
     return time.monotonic() - t
 
@@ -420,19 +474,27 @@ def reset_catalog(dsn: str) -> float:
     with _connect(dsn) as conn:
         conn.execute(f"TRUNCATE {PIN_TABLES}")
         conn.execute("DELETE FROM catalog.popularity_daily_views WHERE run_date >= %s", (AS_OF,))
-        for kind, table in (("PropertyObject", "catalog.property_object_cards"),
-                            ("Project", "catalog.project_cards")):
-            conn.execute(f"""
+        for kind, table in (
+            ("PropertyObject", "catalog.property_object_cards"),
+            ("Project", "catalog.project_cards"),
+        ):
+            conn.execute(
+                f"""
                 UPDATE {table} c SET popularity_score = o.popularity_score,
                        updated_at = o.updated_at
                   FROM bench.cards_pristine o
                  WHERE o.kind = %s AND o.id = c.id
                    AND (c.popularity_score, c.updated_at)
-                       IS DISTINCT FROM (o.popularity_score, o.updated_at)""", (kind,))
-        conn.execute("VACUUM catalog.popularity_daily_views, catalog.property_object_cards, "
-                     "catalog.project_cards")
-        conn.execute("VACUUM ANALYZE pin_nightly.sweep, pin_nightly.sweep_range, "
-                     "pin_nightly.job_lease")
+                       IS DISTINCT FROM (o.popularity_score, o.updated_at)""",
+                (kind,),
+            )
+        conn.execute(
+            "VACUUM catalog.popularity_daily_views, catalog.property_object_cards, "
+            "catalog.project_cards"
+        )
+        conn.execute(
+            "VACUUM ANALYZE pin_nightly.sweep, pin_nightly.sweep_range, pin_nightly.job_lease"
+        )
         conn.execute("CHECKPOINT")
     return time.monotonic() - t
 
@@ -463,7 +525,8 @@ def news_light_checksum(dsn: str) -> dict:
 
 def catalog_checksum(dsn: str) -> dict:
     with _connect(dsn) as conn:
-        row = conn.execute("""
+        row = conn.execute(
+            """
             SELECT (SELECT sum(popularity_score) FROM catalog.property_object_cards),
                    (SELECT sum(popularity_score) FROM catalog.project_cards),
                    (SELECT sum(hashtextextended(id::text || ':' || popularity_score, 0))
@@ -471,6 +534,13 @@ def catalog_checksum(dsn: str) -> dict:
                    (SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date = %s),
                    (SELECT sum(cumulative_views) FROM catalog.popularity_daily_views
                      WHERE run_date = %s)
-        """, (AS_OF, AS_OF)).fetchone()
-    return {"po_score_sum": str(row[0]), "project_score_sum": str(row[1]), "po_hash": int(row[2]),
-            "snapshots_as_of": int(row[3]), "views_as_of": int(row[4] or 0)}
+        """,
+            (AS_OF, AS_OF),
+        ).fetchone()
+    return {
+        "po_score_sum": str(row[0]),
+        "project_score_sum": str(row[1]),
+        "po_hash": int(row[2]),
+        "snapshots_as_of": int(row[3]),
+        "views_as_of": int(row[4] or 0),
+    }

@@ -16,10 +16,21 @@ import os
 import shlex
 import sys
 import time
-from datetime import datetime, time as dtime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
+from datetime import time as dtime
 
-from bench.common import (AS_OF, OUT, catalog_db, code_version, dump_json, loadavg,
-                          machine_facts, news_db, scale_tag, setup_airflow_env)
+from bench.common import (
+    AS_OF,
+    OUT,
+    catalog_db,
+    code_version,
+    dump_json,
+    loadavg,
+    machine_facts,
+    news_db,
+    scale_tag,
+    setup_airflow_env,
+)
 
 log = logging.getLogger("bench")
 
@@ -29,22 +40,35 @@ CATALOG_ITEMS = ("floor", "job_1", "job_2")
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", type=float, default=1.0,
-                    help="multiplies the data volumes (1 = 1M posts / 10M comments / 305k cards)")
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiplies the data volumes (1 = 1M posts / 10M comments / 305k cards)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
     ap.add_argument("--jobs", default="news,catalog", help="news,catalog (default both)")
     ap.add_argument("--regenerate", action="store_true", help="regenerate the data sets")
     ap.add_argument("--skip-dag", action="store_true", help="no DAG run through Airflow")
     ap.add_argument("--skip-explain", action="store_true", help="no EXPLAIN ANALYZE")
-    ap.add_argument("--variants", default="",
-                    help="comma-separated scratch variants to measure too (bench/variants.py), "
-                         "or 'all'")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated scratch variants to measure too (bench/variants.py), or 'all'",
+    )
     ap.add_argument("--variant-reps", type=int, default=3)
-    ap.add_argument("--variant-ranges", type=int, default=1,
-                    help="ranges (worker processes in parallel) of the variant runs")
-    ap.add_argument("--variants-only", action="store_true",
-                    help="measure only the variants (and a floor for the reference results) "
-                         "and replace the variants section of the results of this scale")
+    ap.add_argument(
+        "--variant-ranges",
+        type=int,
+        default=1,
+        help="ranges (worker processes in parallel) of the variant runs",
+    )
+    ap.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="measure only the variants (and a floor for the reference results) "
+        "and replace the variants section of the results of this scale",
+    )
     ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")
     return ap.parse_args(argv)
 
@@ -53,8 +77,10 @@ def _summ(r: dict) -> str:
     from bench.common import pct
 
     lock = r.get("lock_ms") or []
-    return (f"{r['seconds']:8.2f} s  rows={r['rows']} changed={r['changed']} "
-            f"lock p50={pct(lock, 50) or 0:.1f} p99={pct(lock, 99) or 0:.1f} ms")
+    return (
+        f"{r['seconds']:8.2f} s  rows={r['rows']} changed={r['changed']} "
+        f"lock p50={pct(lock, 50) or 0:.1f} p99={pct(lock, 99) or 0:.1f} ms"
+    )
 
 
 def _strip(r: dict) -> dict:
@@ -82,9 +108,8 @@ def measure(fn, *a, **kw) -> dict:
 
 
 def bench_news(args, results: dict) -> None:
-    from tools import devenv
-
     from bench import generate, runners, variants
+    from tools import devenv
 
     meta = generate.ensure_news(args.scale, args.regenerate)
     dsn = devenv.dsn_for(news_db(args.scale))
@@ -106,8 +131,7 @@ def bench_news(args, results: dict) -> None:
             if item == "floor":
                 r = measure(runners.news_floor, dsn)
             elif item == "window_floor":
-                r = measure(runners.news_floor, dsn,
-                            datetime.now(timezone.utc) - timedelta(hours=26))
+                r = measure(runners.news_floor, dsn, datetime.now(UTC) - timedelta(hours=26))
             elif item == "full_1":
                 r = measure(runners.run_news_job, pool1, "FullSweep", 1, base)
             elif item == "full_2":
@@ -123,17 +147,23 @@ def bench_news(args, results: dict) -> None:
             key = "window" if item.startswith("window") else "full"
             light = {k: r["checksum"][k] for k in ("sum", "hash")}
             if key in sums and sums[key] != light:
-                raise RuntimeError(f"news {item}: result differs from the other runs: "
-                                   f"{light} vs {sums[key]}")
+                raise RuntimeError(
+                    f"news {item}: result differs from the other runs: {light} vs {sums[key]}"
+                )
             sums.setdefault(key, light)
             r["rep"] = rep
             items[item].append(_strip(r))
             log.info("news %-13s rep %d: %s", item, rep + 1, _summ(r))
     final = {"pool1": pool1.close(), "pool2": pool2.close()}
-    results["news"] = {"meta": meta, "items": items, "reset_s": resets,
-                       "worker_ready_rss_kb": ready_rss, "worker_final": final,
-                       "worker_hwm_kb_1range": max(f["hwm_kb"] for f in final["pool1"]),
-                       "worker_hwm_kb_2ranges": max(f["hwm_kb"] for f in final["pool2"])}
+    results["news"] = {
+        "meta": meta,
+        "items": items,
+        "reset_s": resets,
+        "worker_ready_rss_kb": ready_rss,
+        "worker_final": final,
+        "worker_hwm_kb_1range": max(f["hwm_kb"] for f in final["pool1"]),
+        "worker_hwm_kb_2ranges": max(f["hwm_kb"] for f in final["pool2"]),
+    }
     if not args.skip_explain:
         from bench import explain
 
@@ -143,22 +173,26 @@ def bench_news(args, results: dict) -> None:
         results["news"]["variants"] = run_variants(args, "news", dsn, sums)
     if not args.skip_dag:
         generate.reset_news(dsn)
-        logical = datetime.now(timezone.utc).replace(microsecond=0)
+        logical = datetime.now(UTC).replace(microsecond=0)
         conf = {"scope": "FullSweep", **runners.BIG_BUDGET, "drift_alert_threshold": 10**9}
-        r = runners.run_dag_subprocess("news_comment_reconcile", conf, logical,
-                                       {"AIRFLOW_CONN_NEWS_DB": os.environ["AIRFLOW_CONN_NEWS_DB"]},
-                                       tag)
+        r = runners.run_dag_subprocess(
+            "news_comment_reconcile",
+            conf,
+            logical,
+            {"AIRFLOW_CONN_NEWS_DB": os.environ["AIRFLOW_CONN_NEWS_DB"]},
+            tag,
+        )
         r["checksum"] = generate.news_light_checksum(dsn)
         r["conf"] = conf
         results["news"]["dag"] = r
-        log.info("news DAG run: %.1f s, state %s, summary %s", r["wall_s"], r["state"],
-                 r["summary"])
+        log.info(
+            "news DAG run: %.1f s, state %s, summary %s", r["wall_s"], r["state"], r["summary"]
+        )
 
 
 def bench_catalog(args, results: dict) -> None:
-    from tools import devenv
-
     from bench import generate, runners, variants
+    from tools import devenv
 
     meta = generate.ensure_catalog(args.scale, args.regenerate)
     dsn = devenv.dsn_for(catalog_db(args.scale))
@@ -189,10 +223,15 @@ def bench_catalog(args, results: dict) -> None:
             items[item].append(_strip(r))
             log.info("catalog %-8s rep %d: %s", item, rep + 1, _summ(r))
     final = {"pool1": pool1.close(), "pool2": pool2.close()}
-    results["catalog"] = {"meta": meta, "items": items, "reset_s": resets,
-                          "worker_ready_rss_kb": ready_rss, "worker_final": final,
-                          "worker_hwm_kb_1range": max(f["hwm_kb"] for f in final["pool1"]),
-                          "worker_hwm_kb_2ranges": max(f["hwm_kb"] for f in final["pool2"])}
+    results["catalog"] = {
+        "meta": meta,
+        "items": items,
+        "reset_s": resets,
+        "worker_ready_rss_kb": ready_rss,
+        "worker_final": final,
+        "worker_hwm_kb_1range": max(f["hwm_kb"] for f in final["pool1"]),
+        "worker_hwm_kb_2ranges": max(f["hwm_kb"] for f in final["pool2"]),
+    }
     if not args.skip_explain:
         from bench import explain
 
@@ -202,17 +241,23 @@ def bench_catalog(args, results: dict) -> None:
         results["catalog"]["variants"] = run_variants(args, "catalog", dsn, {"full": ref})
     if not args.skip_dag:
         generate.reset_catalog(dsn)
-        logical = datetime.combine(AS_OF, dtime(3, 0), tzinfo=timezone.utc) + timedelta(
-            seconds=int(time.time()) % 18000)
+        logical = datetime.combine(AS_OF, dtime(3, 0), tzinfo=UTC) + timedelta(
+            seconds=int(time.time()) % 18000
+        )
         conf = dict(runners.BIG_BUDGET)
         r = runners.run_dag_subprocess(
-            "catalog_popularity_recompute", conf, logical,
-            {"AIRFLOW_CONN_CATALOG_DB": os.environ["AIRFLOW_CONN_CATALOG_DB"]}, tag)
+            "catalog_popularity_recompute",
+            conf,
+            logical,
+            {"AIRFLOW_CONN_CATALOG_DB": os.environ["AIRFLOW_CONN_CATALOG_DB"]},
+            tag,
+        )
         r["checksum"] = generate.catalog_checksum(dsn)
         r["conf"] = conf
         if r["checksum"] != ref:
-            log.warning("catalog DAG run result differs from the job runs: %s vs %s",
-                        r["checksum"], ref)
+            log.warning(
+                "catalog DAG run result differs from the job runs: %s vs %s", r["checksum"], ref
+            )
         results["catalog"]["dag"] = r
         log.info("catalog DAG run: %.1f s, state %s", r["wall_s"], r["state"])
 
@@ -239,11 +284,23 @@ def run_variants(args, job: str, dsn: str, reference: dict) -> dict:
         other = "catalog/" if job == "news" else "news/"
         if texts and all(k.startswith(other) for k in texts):
             continue  # a variant of the other job
-        if job == "news" and not texts and not v.session and name != "baseline" and \
-                "news" not in v.batch_size and v.prepare_threshold == "default":
+        if (
+            job == "news"
+            and not texts
+            and not v.session
+            and name != "baseline"
+            and "news" not in v.batch_size
+            and v.prepare_threshold == "default"
+        ):
             continue
-        if job == "catalog" and not texts and not v.session and name != "baseline" and \
-                "catalog" not in v.batch_size and v.prepare_threshold == "default":
+        if (
+            job == "catalog"
+            and not texts
+            and not v.session
+            and name != "baseline"
+            and "catalog" not in v.batch_size
+            and v.prepare_threshold == "default"
+        ):
             continue
         if v.db_setup or v.db_teardown:
             if job != "catalog" or not any(k.startswith("catalog/") for k in v.sql):
@@ -253,8 +310,11 @@ def run_variants(args, job: str, dsn: str, reference: dict) -> dict:
         pool = runners.WorkerPool(nr, dsn, name, f"{job}-s{scale_tag(args.scale)}-{name}")
         runs, wruns = [], []
         for rep in range(args.variant_reps):
-            kinds = (("full", "FullSweep"), ("window", "DailyWindow")) if job == "news" \
+            kinds = (
+                (("full", "FullSweep"), ("window", "DailyWindow"))
+                if job == "news"
                 else (("full", None),)
+            )
             for key, scope in kinds:
                 if job == "news":
                     generate.reage_news(dsn)
@@ -272,21 +332,30 @@ def run_variants(args, job: str, dsn: str, reference: dict) -> dict:
                     log.warning("variant %s changes the result: %s vs %s", name, check, ref)
                 r["rep"] = rep
                 (runs if key == "full" else wruns).append(_strip(r))
-                log.info("%s variant %-18s %-6s rep %d: %s%s", job, name, key, rep + 1,
-                         _summ(r), "" if same else "  RESULT DIFFERS")
+                log.info(
+                    "%s variant %-18s %-6s rep %d: %s%s",
+                    job,
+                    name,
+                    key,
+                    rep + 1,
+                    _summ(r),
+                    "" if same else "  RESULT DIFFERS",
+                )
         fin = pool.close()
         _ddl(dsn, v.db_teardown)
         out[name if nr == 1 else f"{name}@{nr}"] = {
             "description": v.description + ("" if nr == 1 else f" -- {nr} ranges in parallel"),
-            "runs": runs, "window_runs": wruns, "ranges": nr,
-            "hwm_kb": max(f["hwm_kb"] for f in fin)}
+            "runs": runs,
+            "window_runs": wruns,
+            "ranges": nr,
+            "hwm_kb": max(f["hwm_kb"] for f in fin),
+        }
     return out
 
 
 def variants_only(args, results: dict, jobs: list[str]) -> None:
-    from tools import devenv
-
     from bench import generate, runners
+    from tools import devenv
 
     if "news" in jobs:
         generate.ensure_news(args.scale)
@@ -298,11 +367,13 @@ def variants_only(args, results: dict, jobs: list[str]) -> None:
         runners.news_floor(dsn)
         full = generate.news_light_checksum(dsn)
         generate.reset_news(dsn)
-        runners.news_floor(dsn, datetime.now(timezone.utc) - timedelta(hours=26))
+        runners.news_floor(dsn, datetime.now(UTC) - timedelta(hours=26))
         window = generate.news_light_checksum(dsn)
         sec = results.setdefault("news", {})
-        sec["variants"] = {**sec.get("variants", {}), **run_variants(
-            args, "news", dsn, {"full": full, "window": window})}
+        sec["variants"] = {
+            **sec.get("variants", {}),
+            **run_variants(args, "news", dsn, {"full": full, "window": window}),
+        }
     if "catalog" in jobs:
         generate.ensure_catalog(args.scale)
         dsn = devenv.dsn_for(catalog_db(args.scale))
@@ -312,8 +383,10 @@ def variants_only(args, results: dict, jobs: list[str]) -> None:
         runners.catalog_floor(dsn)
         ref = generate.catalog_checksum(dsn)
         sec = results.setdefault("catalog", {})
-        sec["variants"] = {**sec.get("variants", {}), **run_variants(
-            args, "catalog", dsn, {"full": ref})}
+        sec["variants"] = {
+            **sec.get("variants", {}),
+            **run_variants(args, "catalog", dsn, {"full": ref}),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,14 +402,18 @@ def main(argv: list[str] | None = None) -> int:
     blog.propagate = False
     from tools import devenv
 
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     t0 = time.monotonic()
     admin = devenv.admin_dsn()
     results = {
-        "scale": args.scale, "reps": args.reps, "started_at": started.isoformat(),
-        "command": "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv or
-                                                                              sys.argv[1:])),
-        "facts": machine_facts(admin), "loadavg_start": loadavg(), "code": code_version(),
+        "scale": args.scale,
+        "reps": args.reps,
+        "started_at": started.isoformat(),
+        "command": "python -m bench.run "
+        + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "facts": machine_facts(admin),
+        "loadavg_start": loadavg(),
+        "code": code_version(),
     }
     log.info("bench at scale %g, %d repetitions; %s", args.scale, args.reps, results["facts"])
     path = OUT / f"results_s{scale_tag(args.scale)}.json"

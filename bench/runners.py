@@ -4,9 +4,8 @@ and a whole DAG run through Airflow (in a subprocess).
 The job code is driven exactly as the DAG tasks drive it, minus Airflow: ``validate_options``,
 ``jobs.acquire_lease`` (preflight + lease), ``plan_ranges`` (``keyset.open_sweep`` with the
 job's own sweep spec and plan closure), ``keyset.run_range`` with the job's ``make_batch`` in one
-worker process per range, then ``summarize`` and ``jobs.release_lease``. The context handed to
-the job functions is a minimal stand-in (run id, logical date, a ``ti`` that answers the lease
-XCom).
+worker process per range, then ``summarize`` and ``jobs.release_lease``, with the values the
+DAG's tasks pass (a run id of the benchmark's own, the run's instant, the lease).
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ import sys
 import threading
 import time
 import uuid
-from datetime import datetime, time as dtime, timezone
+from datetime import UTC, datetime
+from datetime import time as dtime
 from pathlib import Path
-from typing import Any
 
 from bench import variants
 from bench.common import AS_OF, LOGS, REPO, read_status_kb
@@ -36,14 +35,21 @@ BIG_BUDGET = {"max_run_duration_minutes": 600, "lock_ttl_minutes": 720}
 # worker processes
 # ---------------------------------------------------------------------------------------------
 
+
 class Worker:
     def __init__(self, dsn: str, variant: str, log_path: Path) -> None:
         self.log_file = open(log_path, "a")
         env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.worker"], cwd=str(REPO), env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True,
-            bufsize=1)
+            [sys.executable, "-m", "bench.worker"],
+            cwd=str(REPO),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log_file,
+            text=True,
+            bufsize=1,
+        )
         self.request({"dsn": dsn, "variant": variant})
         self.ready = self.read()
 
@@ -55,8 +61,10 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
-            raise RuntimeError(f"worker {self.proc.pid} died (exit {self.proc.returncode}); "
-                               f"see {self.log_file.name}")
+            raise RuntimeError(
+                f"worker {self.proc.pid} died (exit {self.proc.returncode}); "
+                f"see {self.log_file.name}"
+            )
         return json.loads(line)
 
     def close(self) -> dict:
@@ -113,6 +121,7 @@ class WorkerPool:
 # the job code without Airflow
 # ---------------------------------------------------------------------------------------------
 
+
 def bench_run_id(logical: datetime) -> str:
     return f"bench__{logical.isoformat()}__{uuid.uuid4().hex[:8]}"
 
@@ -142,36 +151,54 @@ def _range_stats(results: list[dict]) -> dict:
         if len(ls) >= 10:
             first.append(sum(ls[:k]) / k)
             last.append(sum(ls[-k:]) / k)
-    totals = {k: sum(r["result"][k] for r in results)
-              for k in ("batches", "processed", "changed", "written", "skipped_locked",
-                        "item_errors")}
-    return {"lock_ms": lock, "lock_ms_log": lock_log, "statements": stmts, **totals,
-            # the batch lock statement, mean of the first and of the last tenth of the batches
-            # of a range: equal when each batch costs the same wherever it is in the keyset
-            "lock_stmt_first10_ms": sum(first) / len(first) if first else None,
-            "lock_stmt_last10_ms": sum(last) / len(last) if last else None,
-            "ranges": len(results),
-            "range_seconds": [round(r["t_end"] - r["t_start"], 3) for r in results],
-            "worker_hwm_kb": max((r["hwm_kb"] or 0) for r in results) if results else None}
+    totals = {
+        k: sum(r["result"][k] for r in results)
+        for k in ("batches", "processed", "changed", "written", "skipped_locked", "item_errors")
+    }
+    return {
+        "lock_ms": lock,
+        "lock_ms_log": lock_log,
+        "statements": stmts,
+        **totals,
+        # the batch lock statement, mean of the first and of the last tenth of the batches
+        # of a range: equal when each batch costs the same wherever it is in the keyset
+        "lock_stmt_first10_ms": sum(first) / len(first) if first else None,
+        "lock_stmt_last10_ms": sum(last) / len(last) if last else None,
+        "ranges": len(results),
+        "range_seconds": [round(r["t_end"] - r["t_start"], 3) for r in results],
+        "worker_hwm_kb": max((r["hwm_kb"] or 0) for r in results) if results else None,
+    }
 
 
-def run_news_job(pool: WorkerPool, scope: str, n_ranges: int, variant: variants.Variant
-                 ) -> dict:
+def run_news_job(pool: WorkerPool, scope: str, n_ranges: int, variant: variants.Variant) -> dict:
     from pin_nightly import jobs, news
 
     variants.install(variant)
-    instant = datetime.now(timezone.utc)
+    instant = datetime.now(UTC)
     run_id = bench_run_id(instant)
-    params = {"scope": scope, "max_ranges": n_ranges, **BIG_BUDGET,
-              "batch_size": variants.batch_size(variant, "news", news.DEFAULTS["batch_size"]),
-              "drift_alert_threshold": 10**9}
+    params = {
+        "scope": scope,
+        "max_ranges": n_ranges,
+        **BIG_BUDGET,
+        "batch_size": variants.batch_size(variant, "news", news.DEFAULTS["batch_size"]),
+        "drift_alert_threshold": 10**9,
+    }
     t0 = time.perf_counter()
     opts = news.validate_options(params, instant)
     lease_data = jobs.acquire_lease(news.JOB, opts, run_id)
     ranges = news.plan_ranges(opts, lease_data, run_id)
     t_plan = time.perf_counter()
-    tasks = [{"job": "news", "rng": r, "lease": lease_data, "opts": opts,
-              "run_id": run_id, "candidate_mode": scope != "FullSweep"} for r in ranges]
+    tasks = [
+        {
+            "job": "news",
+            "rng": r,
+            "lease": lease_data,
+            "opts": opts,
+            "run_id": run_id,
+            "candidate_mode": scope != "FullSweep",
+        }
+        for r in ranges
+    ]
     results = pool.run(tasks)
     t_ranges = time.perf_counter()
     summary = news.summarize(opts, lease_data, run_id)
@@ -179,21 +206,29 @@ def run_news_job(pool: WorkerPool, scope: str, n_ranges: int, variant: variants.
     t1 = time.perf_counter()
     if summary["status"] != "success":
         raise RuntimeError(f"news job did not finish: {summary}")
-    return {"seconds": t1 - t0, "plan_s": t_plan - t0, "ranges_s": t_ranges - t_plan,
-            "finish_s": t1 - t_ranges, "rows": summary["posts_reconciled"],
-            "changed": summary["drift_corrected"], "summary": summary,
-            **_range_stats(results)}
+    return {
+        "seconds": t1 - t0,
+        "plan_s": t_plan - t0,
+        "ranges_s": t_ranges - t_plan,
+        "finish_s": t1 - t_ranges,
+        "rows": summary["posts_reconciled"],
+        "changed": summary["drift_corrected"],
+        "summary": summary,
+        **_range_stats(results),
+    }
 
 
 def run_catalog_job(pool: WorkerPool, n_ranges: int, variant: variants.Variant) -> dict:
     from pin_nightly import catalog, jobs
 
     variants.install(variant)
-    instant = datetime.combine(AS_OF, dtime(3, 0), tzinfo=timezone.utc)
+    instant = datetime.combine(AS_OF, dtime(3, 0), tzinfo=UTC)
     run_id = bench_run_id(instant)
-    params = {"max_ranges": n_ranges, **BIG_BUDGET,
-              "batch_size": variants.batch_size(variant, "catalog",
-                                                catalog.DEFAULTS["batch_size"])}
+    params = {
+        "max_ranges": n_ranges,
+        **BIG_BUDGET,
+        "batch_size": variants.batch_size(variant, "catalog", catalog.DEFAULTS["batch_size"]),
+    }
     t0 = time.perf_counter()
     opts = catalog.validate_options(params, instant)
     lease_data = jobs.acquire_lease(catalog.JOB, opts, run_id)
@@ -203,8 +238,19 @@ def run_catalog_job(pool: WorkerPool, n_ranges: int, variant: variants.Variant) 
         tp = time.perf_counter()
         ranges = catalog.plan_ranges(kind, opts, lease_data, run_id)
         plan_s += time.perf_counter() - tp
-        results += pool.run([{"job": "catalog", "kind": kind, "rng": r, "lease": lease_data,
-                              "opts": opts, "run_id": run_id} for r in ranges])
+        results += pool.run(
+            [
+                {
+                    "job": "catalog",
+                    "kind": kind,
+                    "rng": r,
+                    "lease": lease_data,
+                    "opts": opts,
+                    "run_id": run_id,
+                }
+                for r in ranges
+            ]
+        )
     t_ranges = time.perf_counter()
     pruned = catalog.retention(opts, lease_data)
     summary = catalog.summarize(opts, pruned, lease_data, run_id)
@@ -213,10 +259,16 @@ def run_catalog_job(pool: WorkerPool, n_ranges: int, variant: variants.Variant) 
     if summary["status"] != "success":
         raise RuntimeError(f"catalog job did not finish: {summary}")
     rows = summary["property_object_cards_processed"] + summary["project_cards_processed"]
-    return {"seconds": t1 - t0, "plan_s": plan_s, "ranges_s": t_ranges - t0 - plan_s,
-            "finish_s": t1 - t_ranges, "rows": rows,
-            "changed": summary["property_object_cards_updated"]
-            + summary["project_cards_updated"], "summary": summary, **_range_stats(results)}
+    return {
+        "seconds": t1 - t0,
+        "plan_s": plan_s,
+        "ranges_s": t_ranges - t0 - plan_s,
+        "finish_s": t1 - t_ranges,
+        "rows": rows,
+        "changed": summary["property_object_cards_updated"] + summary["project_cards_updated"],
+        "summary": summary,
+        **_range_stats(results),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,13 +362,16 @@ def news_floor(dsn: str, window_cutoff: datetime | None = None) -> dict:
 
     with psycopg.connect(dsn) as conn:
         if window_cutoff is None:
-            rows = conn.execute("SELECT count(*) FROM news.posts "
-                                "WHERE status IS DISTINCT FROM 'Archived'").fetchone()[0]
+            rows = conn.execute(
+                "SELECT count(*) FROM news.posts WHERE status IS DISTINCT FROM 'Archived'"
+            ).fetchone()[0]
         else:
             rows = conn.execute(
                 "SELECT count(DISTINCT c.post_id) FROM news.comments c JOIN news.posts p "
                 "ON p.id = c.post_id AND p.status IS DISTINCT FROM 'Archived' "
-                "WHERE c.updated_at >= %s", (window_cutoff,)).fetchone()[0]
+                "WHERE c.updated_at >= %s",
+                (window_cutoff,),
+            ).fetchone()[0]
         conn.commit()
         t0 = time.perf_counter()
         if window_cutoff is None:
@@ -325,8 +380,13 @@ def news_floor(dsn: str, window_cutoff: datetime | None = None) -> dict:
             changed = conn.execute(NEWS_WINDOW_FLOOR, {"cutoff": window_cutoff}).rowcount
         conn.commit()
         dt = time.perf_counter() - t0
-    return {"seconds": dt, "rows": rows, "changed": changed, "statements": 1,
-            "lock_ms": [dt * 1000]}
+    return {
+        "seconds": dt,
+        "rows": rows,
+        "changed": changed,
+        "statements": 1,
+        "lock_ms": [dt * 1000],
+    }
 
 
 def catalog_floor(dsn: str) -> dict:
@@ -334,8 +394,11 @@ def catalog_floor(dsn: str) -> dict:
 
     from pin_nightly import catalog
 
-    p = {"as_of": AS_OF, "window_days": catalog.DEFAULTS["window_days"],
-         "half_life": catalog.DEFAULTS["half_life_days"]}
+    p = {
+        "as_of": AS_OF,
+        "window_days": catalog.DEFAULTS["window_days"],
+        "half_life": catalog.DEFAULTS["half_life_days"],
+    }
     with psycopg.connect(dsn) as conn:
         rows = conn.execute("""
             SELECT (SELECT count(*) FROM catalog.property_object_cards
@@ -349,25 +412,36 @@ def catalog_floor(dsn: str) -> dict:
         po, pr = conn.execute(CATALOG_FLOOR_SCORES, p).fetchone()
         conn.commit()
         dt = time.perf_counter() - t0
-    return {"seconds": dt, "snapshots_s": t_snap - t0, "rows": rows, "written": written,
-            "changed": po + pr, "statements": 2, "lock_ms": [dt * 1000]}
+    return {
+        "seconds": dt,
+        "snapshots_s": t_snap - t0,
+        "rows": rows,
+        "written": written,
+        "changed": po + pr,
+        "statements": 2,
+        "lock_ms": [dt * 1000],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # a whole DAG run through Airflow, in its own process
 # ---------------------------------------------------------------------------------------------
 
-def run_dag_subprocess(dag_id: str, conf: dict, logical: datetime, conns: dict[str, str],
-                       tag: str) -> dict:
+
+def run_dag_subprocess(
+    dag_id: str, conf: dict, logical: datetime, conns: dict[str, str], tag: str
+) -> dict:
     env = {**os.environ, **conns}
     cmd = [sys.executable, "-m", "bench.dagrun", dag_id, json.dumps(conf), logical.isoformat()]
     with open(LOGS / f"dagrun-{tag}.log", "a") as errlog:
-        proc = subprocess.run(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
-                              stderr=errlog, text=True)
+        proc = subprocess.run(
+            cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=errlog, text=True
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"DAG run {dag_id} failed (exit {proc.returncode}); "
-                           f"see {LOGS / f'dagrun-{tag}.log'}")
+        raise RuntimeError(
+            f"DAG run {dag_id} failed (exit {proc.returncode}); see {LOGS / f'dagrun-{tag}.log'}"
+        )
     return json.loads(lines[-1])
 
 

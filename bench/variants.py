@@ -67,38 +67,77 @@ class Variant:
     db_teardown: tuple[str, ...] = ()
 
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (
-    Variant("baseline", "the code as it is"),
-    Variant("bs500", "batch_size 500 (news) / 500 (catalog)",
-            batch_size={"news": 500, "catalog": 500}),
-    Variant("bs1000", "batch_size 1000 (news) / 1000 (catalog)",
-            batch_size={"news": 1000, "catalog": 1000}),
-    Variant("bs2000", "batch_size 2000 (news) / 2000 (catalog)",
-            batch_size={"news": 2000, "catalog": 2000}),
-    Variant("bs5000", "batch_size 5000 (news) / 5000 (catalog)",
-            batch_size={"news": 5000, "catalog": 5000}),
-    Variant("lock_all", "FullSweep locks every post of the batch (no read-only check first) "
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("baseline", "the code as it is"),
+        Variant(
+            "bs500",
+            "batch_size 500 (news) / 500 (catalog)",
+            batch_size={"news": 500, "catalog": 500},
+        ),
+        Variant(
+            "bs1000",
+            "batch_size 1000 (news) / 1000 (catalog)",
+            batch_size={"news": 1000, "catalog": 1000},
+        ),
+        Variant(
+            "bs2000",
+            "batch_size 2000 (news) / 2000 (catalog)",
+            batch_size={"news": 2000, "catalog": 2000},
+        ),
+        Variant(
+            "bs5000",
+            "batch_size 5000 (news) / 5000 (catalog)",
+            batch_size={"news": 5000, "catalog": 5000},
+        ),
+        Variant(
+            "lock_all",
+            "FullSweep locks every post of the batch (no read-only check first) "
             "and recounts all of them, as the earlier design did",
-            sql_full_sweep={"news/full_lock": NEWS_FULL_LOCK_ALL}),
-    Variant("lock_all_bs500", "lock_all with batch_size 500 (the earlier design and default)",
-            sql_full_sweep={"news/full_lock": NEWS_FULL_LOCK_ALL}, batch_size={"news": 500}),
-    Variant("sync_commit", "batch transactions wait for their WAL flush (synchronous_commit "
-            "on)", sql={"common/async_commit": SYNC_COMMIT}),
-    Variant("generic_apply", "catalog/apply keeps the generic plan of the prepared statement",
-            sql={"common/custom_plans": GENERIC_PLANS}),
-    Variant("noprepare", "psycopg prepare_threshold=None: every statement planned with its "
+            sql_full_sweep={"news/full_lock": NEWS_FULL_LOCK_ALL},
+        ),
+        Variant(
+            "lock_all_bs500",
+            "lock_all with batch_size 500 (the earlier design and default)",
+            sql_full_sweep={"news/full_lock": NEWS_FULL_LOCK_ALL},
+            batch_size={"news": 500},
+        ),
+        Variant(
+            "sync_commit",
+            "batch transactions wait for their WAL flush (synchronous_commit on)",
+            sql={"common/async_commit": SYNC_COMMIT},
+        ),
+        Variant(
+            "generic_apply",
+            "catalog/apply keeps the generic plan of the prepared statement",
+            sql={"common/custom_plans": GENERIC_PLANS},
+        ),
+        Variant(
+            "noprepare",
+            "psycopg prepare_threshold=None: every statement planned with its "
             "parameters (no server-side prepared statement, no generic plan)",
-            prepare_threshold=None),
-    Variant("custom_plans", "SET plan_cache_mode = force_custom_plan on the worker connection "
+            prepare_threshold=None,
+        ),
+        Variant(
+            "custom_plans",
+            "SET plan_cache_mode = force_custom_plan on the worker connection "
             "(statements stay server-side prepared, but are planned with their parameters)",
-            session=("SET plan_cache_mode = force_custom_plan",)),
-    Variant("catalog_lean_indexes", "without the ix_popularity_daily_window index on "
+            session=("SET plan_cache_mode = force_custom_plan",),
+        ),
+        Variant(
+            "catalog_lean_indexes",
+            "without the ix_popularity_daily_window index on "
             "popularity_daily_views (the unique index has the same columns)",
             db_setup=("DROP INDEX catalog.ix_popularity_daily_window",),
-            db_teardown=("CREATE INDEX ix_popularity_daily_window ON "
-                         "catalog.popularity_daily_views (card_kind, card_id, run_date DESC)",
-                         "VACUUM ANALYZE catalog.popularity_daily_views")),
-)}
+            db_teardown=(
+                "CREATE INDEX ix_popularity_daily_window ON "
+                "catalog.popularity_daily_views (card_kind, card_id, run_date DESC)",
+                "VACUUM ANALYZE catalog.popularity_daily_views",
+            ),
+        ),
+    )
+}
 
 
 def get(name: str) -> Variant:
@@ -115,8 +154,9 @@ def batch_size(variant: Variant, job: str, default: int) -> int:
 _ORIGINAL = None
 
 
-def install(variant: Variant, full_sweep: bool = True,
-            labels: dict[str, str] | None = None) -> dict[str, str]:
+def install(
+    variant: Variant, full_sweep: bool = True, labels: dict[str, str] | None = None
+) -> dict[str, str]:
     """Route ``sql(name)`` of every job module through the variant; return text -> name labels.
 
     The job modules bind ``sql`` with ``from pin_nightly.db import sql``; each binding is
@@ -131,7 +171,7 @@ def install(variant: Variant, full_sweep: bool = True,
     labels = {} if labels is None else labels
     overrides = {**variant.sql, **(variant.sql_full_sweep if full_sweep else {})}
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def patched(name: str) -> str:
         text = overrides.get(name) or original(name)
         labels[text] = name

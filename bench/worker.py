@@ -28,7 +28,7 @@ import sys
 import time
 from collections import defaultdict
 
-from bench.common import read_status_kb, setup_paths
+from bench.common import read_status_kb
 
 BATCH_LOCK_STATEMENTS = {"news/full_lock", "news/candidate_lock", "catalog/lock"}
 CARD_TABLES = ("catalog.property_object_cards", "catalog.project_cards")
@@ -150,9 +150,11 @@ def send(obj) -> None:
 
 
 def main() -> None:
-    setup_paths()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     cfg = json.loads(sys.stdin.readline())
     from bench import variants
 
@@ -164,8 +166,11 @@ def main() -> None:
 
     from pin_nightly import catalog, jobs, keyset, news
 
-    kw = {} if variant.prepare_threshold == "default" else {
-        "prepare_threshold": variant.prepare_threshold}
+    kw = (
+        {}
+        if variant.prepare_threshold == "default"
+        else {"prepare_threshold": variant.prepare_threshold}
+    )
     raw = psycopg.connect(cfg["dsn"], **kw)  # as PostgresHook.get_conn() makes it
     register_default_adapters(raw)
     raw.autocommit = False
@@ -195,18 +200,28 @@ def main() -> None:
         opts = task["opts"]
         if task["job"] == "news":
             variants.install(variant, full_sweep=not task["candidate_mode"], labels=labels)
-            batch = news.make_batch(opts, task["rng"]["sweep_id"], task["run_id"],
-                                    candidate_mode=task["candidate_mode"])
+            batch = news.make_batch(
+                opts, task["rng"]["sweep_id"], task["run_id"], candidate_mode=task["candidate_mode"]
+            )
         else:
             batch = catalog.make_batch(task["kind"], opts)
         t0 = time.time()
         res = keyset.run_range(conn, task["rng"], lease, opts["batch_size"], batch)
         t1 = time.time()
-        send({"result": res.__dict__, "t_start": t0, "t_end": t1,
-              "lock_ms": prof.batch_lock_ms, "lock_ms_log": from_log.values,
-              "other_tx_ms": prof.other_tx_ms, "lock_stmt_ms": prof.lock_stmt_ms,
-              "statements": {k: v for k, v in prof.stmt.items()},
-              "rss_kb": read_status_kb("VmRSS"), "hwm_kb": read_status_kb("VmHWM")})
+        send(
+            {
+                "result": res.__dict__,
+                "t_start": t0,
+                "t_end": t1,
+                "lock_ms": prof.batch_lock_ms,
+                "lock_ms_log": from_log.values,
+                "other_tx_ms": prof.other_tx_ms,
+                "lock_stmt_ms": prof.lock_stmt_ms,
+                "statements": {k: v for k, v in prof.stmt.items()},
+                "rss_kb": read_status_kb("VmRSS"),
+                "hwm_kb": read_status_kb("VmHWM"),
+            }
+        )
     raw.close()
     send({"hwm_kb": read_status_kb("VmHWM"), "rss_kb": read_status_kb("VmRSS")})
 

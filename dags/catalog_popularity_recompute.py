@@ -24,8 +24,8 @@ projects) snapshot the cumulative counter `popularity_views` into
 2^(-age / `half_life_days`), rounded to 4 places; a day's growth is measured from the card's
 previous snapshot up to `window_days + 2` days back. Snapshots older than
 `max(window_days, 30) + 2` days are pruned at the end (a manual run with a small window never
-prunes what the nightly run needs). `as_of_date` is the run's logical date in UTC (manual runs: the day they
-were triggered).
+prunes what the nightly run needs). `as_of_date` is the run's logical date in UTC (manual
+runs: the day they were triggered).
 
 **Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
 function of the stored snapshots: re-running a date changes nothing (unless the counters moved
@@ -53,7 +53,7 @@ Full runbook: README.md, section "Runbook".
 with DAG(
     dag_id="catalog_popularity_recompute",
     description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
-                "cards, at 03:00 UTC",
+    "cards, at 03:00 UTC",
     schedule=CronTriggerTimetable("0 3 * * *", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
@@ -64,10 +64,12 @@ with DAG(
     doc_md=DOC_MD,
     tags=["pin-nightly", "catalog"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
-    default_args={"owner": "PIN Marketplace (Catalog squad)",
-                  # every failed task attempt counts in <job>_errors_total
-                  "on_failure_callback": catalog.task_failed,
-                  "on_retry_callback": catalog.task_failed},
+    default_args={
+        "owner": "PIN Marketplace (Catalog squad)",
+        # every failed task attempt counts in <job>_errors_total
+        "on_failure_callback": catalog.task_failed,
+        "on_retry_callback": catalog.task_failed,
+    },
     params=catalog.PARAMS,
 ) as dag:
 
@@ -83,22 +85,13 @@ with DAG(
         return jobs.acquire_lease(catalog.JOB, opts, run_id)
 
     @task(pool=POOL)
-    def plan_property_objects(opts: dict, lease: dict, run_id=None) -> list[dict]:
-        return catalog.plan_ranges("PropertyObject", opts, lease, run_id)
+    def plan(kind: str, opts: dict, lease: dict, run_id=None) -> list[dict]:
+        return catalog.plan_ranges(kind, opts, lease, run_id)
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
-    def recompute_property_objects(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
+    def recompute(kind: str, rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
         get_current_context()["range_label"] = rng["label"]
-        return catalog.recompute_range("PropertyObject", rng, opts, lease, run_id)
-
-    @task(pool=POOL)
-    def plan_projects(opts: dict, lease: dict, run_id=None) -> list[dict]:
-        return catalog.plan_ranges("Project", opts, lease, run_id)
-
-    @task(pool=POOL, map_index_template="{{ range_label }}")
-    def recompute_projects(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
-        get_current_context()["range_label"] = rng["label"]
-        return catalog.recompute_range("Project", rng, opts, lease, run_id)
+        return catalog.recompute_range(kind, rng, opts, lease, run_id)
 
     # The lease is pulled here rather than passed: a task right after the setup task must have
     # the trigger rule all_success, and these must also run after ranges that skipped.
@@ -117,11 +110,16 @@ with DAG(
 
     opts = validate_options()
     lease = acquire_lease(opts)
-    po = recompute_property_objects.partial(opts=opts, lease=lease).expand(
-        rng=plan_property_objects(opts, lease))
-    project_ranges = plan_projects(opts, lease)
-    po >> project_ranges
-    projects = recompute_projects.partial(opts=opts, lease=lease).expand(rng=project_ranges)
+    # one pass per card kind, in order: plan_<kind>, then its mapped ranges recompute_<kind>
+    done = lease
+    for kind in catalog.CARD_KINDS:
+        ranges = plan.override(task_id=f"plan_{kind.tasks}")(kind.name, opts, lease)
+        done >> ranges
+        done = (
+            recompute.override(task_id=f"recompute_{kind.tasks}")
+            .partial(kind=kind.name, opts=opts, lease=lease)
+            .expand(rng=ranges)
+        )
     pruned = retention(opts)
-    projects >> pruned
+    done >> pruned
     summarize(opts, pruned) >> release_lease(lease)

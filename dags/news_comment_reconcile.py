@@ -50,7 +50,7 @@ Full runbook: README.md, section "Runbook".
 with DAG(
     dag_id="news_comment_reconcile",
     description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
-                "Europe/Moscow (00:00 UTC, as the UI shows it)",
+    "Europe/Moscow (00:00 UTC, as the UI shows it)",
     schedule=CronTriggerTimetable("0 3 * * *", timezone="Europe/Moscow"),
     start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
     catchup=False,
@@ -62,10 +62,12 @@ with DAG(
     tags=["pin-nightly", "news"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
     # retried reconcile_range resumes from its cursor.
-    default_args={"owner": "PIN Engagement",
-                  # every failed task attempt counts in <job>_errors_total
-                  "on_failure_callback": news.task_failed,
-                  "on_retry_callback": news.task_failed},
+    default_args={
+        "owner": "PIN Engagement",
+        # every failed task attempt counts in <job>_errors_total
+        "on_failure_callback": news.task_failed,
+        "on_retry_callback": news.task_failed,
+    },
     params=news.PARAMS,
 ) as dag:
 

@@ -6,13 +6,9 @@ The Airflow environment is set before anything imports airflow.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tools import devenv  # noqa: E402
+from tools import devenv
+from tools.devenv import REPO
 
 # PIN_TEST_ID keeps concurrent test sessions on one machine apart (databases, Airflow home).
 SUFFIX = os.environ.get("PIN_TEST_ID", "")

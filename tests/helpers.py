@@ -5,15 +5,16 @@ from __future__ import annotations
 import random
 import threading
 import time
-from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 
 from tools.demodata import uuid7
 
 _rnd = random.Random(1234)
-_clock = [datetime(2026, 1, 1, tzinfo=timezone.utc)]
+_clock = [datetime(2026, 1, 1, tzinfo=UTC)]
 
 
 def new_id(at: datetime | None = None) -> str:
@@ -36,21 +37,34 @@ class NewsDB:
     def one(self, sql: str, *params: Any) -> Any:
         return self.q(sql, *params)[0][0]
 
-    def post(self, count: int = 0, visible: int = 0, hidden: int = 0, deleted: int = 0,
-             status: str = "Published", comments_at: datetime | None = None,
-             updated_at: datetime | None = None) -> str:
+    def post(
+        self,
+        count: int = 0,
+        visible: int = 0,
+        hidden: int = 0,
+        deleted: int = 0,
+        status: str = "Published",
+        comments_at: datetime | None = None,
+        updated_at: datetime | None = None,
+    ) -> str:
         pid = new_id()
         self.conn.execute(
             "INSERT INTO news.posts (id, status, comments_count, updated_at) "
             "VALUES (%s, %s, %s, %s)",
-            (pid, status, count, updated_at or datetime(2026, 1, 1, tzinfo=timezone.utc)))
-        at = comments_at or datetime.now(timezone.utc) - timedelta(days=10)
-        for st, n in (("Visible", visible), ("HiddenByModerator", hidden),
-                      ("DeletedByAuthor", deleted)):
+            (pid, status, count, updated_at or datetime(2026, 1, 1, tzinfo=UTC)),
+        )
+        at = comments_at or datetime.now(UTC) - timedelta(days=10)
+        for st, n in (
+            ("Visible", visible),
+            ("HiddenByModerator", hidden),
+            ("DeletedByAuthor", deleted),
+        ):
             for _ in range(n):
                 self.conn.execute(
                     "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                    "VALUES (%s, %s, %s, %s, %s)", (new_id(), pid, st, at, at))
+                    "VALUES (%s, %s, %s, %s, %s)",
+                    (new_id(), pid, st, at, at),
+                )
         return pid
 
     def posts(self, n: int, drift_every: int = 0, visible: int = 2) -> list[str]:
@@ -65,21 +79,27 @@ class NewsDB:
         return self.one("SELECT comments_count FROM news.posts WHERE id = %s", pid)
 
     def post_row(self, pid: str) -> tuple:
-        return self.q("SELECT id, status, comments_count, updated_at FROM news.posts "
-                      "WHERE id = %s", pid)[0]
+        return self.q(
+            "SELECT id, status, comments_count, updated_at FROM news.posts WHERE id = %s", pid
+        )[0]
 
     def drifted_posts(self) -> int:
         return self.one(
             "SELECT count(*) FROM news.posts p WHERE p.status IS DISTINCT FROM 'Archived' AND "
             "p.comments_count <> (SELECT count(*) FROM news.comments c "
-            "WHERE c.post_id = p.id AND c.status = 'Visible')")
+            "WHERE c.post_id = p.id AND c.status = 'Visible')"
+        )
 
     def snapshot(self) -> list[tuple]:
         return self.q("SELECT id, status, comments_count, updated_at FROM news.posts ORDER BY id")
 
 
-def when(condition: Callable[[], bool], action: Callable[[], None], timeout: float = 60,
-         poll: float = 0.01) -> threading.Thread:
+def when(
+    condition: Callable[[], bool],
+    action: Callable[[], None],
+    timeout: float = 60,
+    poll: float = 0.01,
+) -> threading.Thread:
     """In a background thread: once ``condition()`` holds, run ``action()``."""
 
     def loop():
@@ -99,27 +119,37 @@ def when(condition: Callable[[], bool], action: Callable[[], None], timeout: flo
 
 
 class CatalogDB(NewsDB):
-    TABLES = {"PropertyObject": "catalog.property_object_cards",
-              "Project": "catalog.project_cards"}
+    TABLES = {"PropertyObject": "catalog.property_object_cards", "Project": "catalog.project_cards"}
 
-    def card(self, views: int | None = 0, kind: str = "PropertyObject",
-             status: str = "Published", score: float = 0) -> str:
+    def card(
+        self,
+        views: int | None = 0,
+        kind: str = "PropertyObject",
+        status: str = "Published",
+        score: float = 0,
+    ) -> str:
         cid = new_id()
         self.conn.execute(
             f"INSERT INTO {self.TABLES[kind]} (id, status, popularity_views, popularity_score, "
-            "updated_at) VALUES (%s, %s, %s, %s, '2026-01-01')", (cid, status, views, score))
+            "updated_at) VALUES (%s, %s, %s, %s, '2026-01-01')",
+            (cid, status, views, score),
+        )
         return cid
 
     def set_views(self, cid: str, views: int | None, kind: str = "PropertyObject") -> None:
-        self.conn.execute(f"UPDATE {self.TABLES[kind]} SET popularity_views = %s WHERE id = %s",
-                          (views, cid))
+        self.conn.execute(
+            f"UPDATE {self.TABLES[kind]} SET popularity_views = %s WHERE id = %s", (views, cid)
+        )
 
     def score(self, cid: str, kind: str = "PropertyObject"):
         return self.one(f"SELECT popularity_score FROM {self.TABLES[kind]} WHERE id = %s", cid)
 
     def snapshots(self, cid: str) -> list[tuple]:
-        return self.q("SELECT run_date, cumulative_views FROM catalog.popularity_daily_views "
-                      "WHERE card_id = %s ORDER BY run_date", cid)
+        return self.q(
+            "SELECT run_date, cumulative_views FROM catalog.popularity_daily_views "
+            "WHERE card_id = %s ORDER BY run_date",
+            cid,
+        )
 
     def seed_snapshot(self, cid: str, run_date, views: int, kind: str = "PropertyObject"):
         from tools.devenv import run_sql_file
@@ -128,34 +158,42 @@ class CatalogDB(NewsDB):
             run_sql_file(self.dsn, "schema/catalog_popularity.sql")
         self.conn.execute(
             "INSERT INTO catalog.popularity_daily_views (card_kind, card_id, run_date, "
-            "cumulative_views) VALUES (%s, %s, %s, %s)", (kind, cid, run_date, views))
+            "cumulative_views) VALUES (%s, %s, %s, %s)",
+            (kind, cid, run_date, views),
+        )
 
 
 # --- reliability and security tests --------------------------------------------------------
 
-def bulk_posts(db: NewsDB, n: int, rnd: random.Random, drift_share: float = 0.0,
-               max_visible: int = 4) -> tuple[list[str], dict[str, int]]:
+
+def bulk_posts(
+    db: NewsDB, n: int, rnd: random.Random, drift_share: float = 0.0, max_visible: int = 4
+) -> tuple[list[str], dict[str, int]]:
     """n Published posts with 0..max_visible visible (and some hidden/deleted) comments, loaded
     with COPY; a share of them drifted by a non-zero offset. Returns (ids, {post: offset})."""
     from tools.demodata import copy_rows
 
     posts, comments, drift = [], [], {}
-    at = datetime.now(timezone.utc) - timedelta(days=10)
+    at = datetime.now(UTC) - timedelta(days=10)
     for _ in range(n):
         pid = new_id()
         visible = rnd.randint(0, max_visible)
-        for st, k in (("Visible", visible), ("HiddenByModerator", rnd.randint(0, 1)),
-                      ("DeletedByAuthor", rnd.randint(0, 1))):
+        for st, k in (
+            ("Visible", visible),
+            ("HiddenByModerator", rnd.randint(0, 1)),
+            ("DeletedByAuthor", rnd.randint(0, 1)),
+        ):
             comments.extend((new_id(), pid, st, at, at) for _ in range(k))
         offset = 0
         if rnd.random() < drift_share:
             offset = rnd.choice((-2, -1, 1, 2, 3, 5))
             drift[pid] = offset
-        posts.append((pid, "Published", visible + offset, datetime(2026, 1, 1, tzinfo=timezone.utc)))
+        posts.append((pid, "Published", visible + offset, datetime(2026, 1, 1, tzinfo=UTC)))
     with psycopg.connect(db.dsn) as conn:
         copy_rows(conn, "news.posts", ("id", "status", "comments_count", "updated_at"), posts)
-        copy_rows(conn, "news.comments", ("id", "post_id", "status", "created_at", "updated_at"),
-                  comments)
+        copy_rows(
+            conn, "news.comments", ("id", "post_id", "status", "created_at", "updated_at"), comments
+        )
         conn.execute("ANALYZE news.posts")
         conn.execute("ANALYZE news.comments")
     return [p[0] for p in posts], drift
@@ -163,9 +201,12 @@ def bulk_posts(db: NewsDB, n: int, rnd: random.Random, drift_share: float = 0.0,
 
 def post_offsets(db: NewsDB) -> dict[str, int]:
     """comments_count minus the visible comments, for every post (0 = correct)."""
-    return dict(db.q(
-        "SELECT p.id::text, p.comments_count - (SELECT count(*) FROM news.comments c "
-        "WHERE c.post_id = p.id AND c.status = 'Visible') FROM news.posts p"))
+    return dict(
+        db.q(
+            "SELECT p.id::text, p.comments_count - (SELECT count(*) FROM news.comments c "
+            "WHERE c.post_id = p.id AND c.status = 'Visible') FROM news.posts p"
+        )
+    )
 
 
 def reference_popularity_score(snaps: dict, d, w: int, h: float):
@@ -181,8 +222,7 @@ def reference_popularity_score(snaps: dict, d, w: int, h: float):
         for (_, prev), (k, v) in zip(history, history[1:]):
             age = (d - k).days
             if age < w:
-                total += Decimal(max(0, v - prev)) * \
-                    Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
+                total += Decimal(max(0, v - prev)) * Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
         return total.quantize(Decimal("0.0001"))
 
 
@@ -192,11 +232,15 @@ ADVISORY_KEY = 7_404_242
 def install_gate(db: NewsDB, table: str, post_id: str, key: int = ADVISORY_KEY) -> None:
     """A BEFORE UPDATE trigger on ``table`` that, for row ``post_id``, waits for the advisory
     lock ``key``: whoever holds that lock keeps the writer's batch in flight."""
-    db.q("CREATE OR REPLACE FUNCTION public.pin_test_gate() RETURNS trigger LANGUAGE plpgsql AS "
-         f"$$ BEGIN IF NEW.id = '{post_id}'::uuid THEN PERFORM pg_advisory_xact_lock({int(key)}); "
-         "END IF; RETURN NEW; END $$")
-    db.q(f"CREATE TRIGGER pin_test_gate BEFORE UPDATE ON {table} FOR EACH ROW "
-         "EXECUTE FUNCTION public.pin_test_gate()")
+    db.q(
+        "CREATE OR REPLACE FUNCTION public.pin_test_gate() RETURNS trigger LANGUAGE plpgsql AS "
+        f"$$ BEGIN IF NEW.id = '{post_id}'::uuid THEN PERFORM pg_advisory_xact_lock({int(key)}); "
+        "END IF; RETURN NEW; END $$"
+    )
+    db.q(
+        f"CREATE TRIGGER pin_test_gate BEFORE UPDATE ON {table} FOR EACH ROW "
+        "EXECUTE FUNCTION public.pin_test_gate()"
+    )
 
 
 def remove_gate(db: NewsDB, table: str) -> None:
@@ -205,14 +249,18 @@ def remove_gate(db: NewsDB, table: str) -> None:
 
 def gate_waiter(db: NewsDB, key: int = ADVISORY_KEY) -> int | None:
     """Pid of a backend waiting for the advisory lock ``key`` (a batch held at the gate)."""
-    rows = db.q("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-                "AND objid = %s AND database = (SELECT oid FROM pg_database "
-                "WHERE datname = current_database())", key)
+    rows = db.q(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+        "AND objid = %s AND database = (SELECT oid FROM pg_database "
+        "WHERE datname = current_database())",
+        key,
+    )
     return rows[0][0] if rows else None
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 30, poll: float = 0.02,
-             what: str = "condition") -> Any:
+def wait_for(
+    condition: Callable[[], Any], timeout: float = 30, poll: float = 0.02, what: str = "condition"
+) -> Any:
     """Poll until ``condition()`` is truthy; return its value; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

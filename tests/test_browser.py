@@ -20,7 +20,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -42,13 +42,16 @@ def _skip(reason: str) -> None:
 try:
     from playwright.sync_api import expect, sync_playwright
 except ImportError:
-    _skip("Playwright for Python is not installed (pip install -r requirements.txt "
-          "-c constraints.txt)")
+    _skip(
+        "Playwright for Python is not installed (make setup installs it from requirements-dev.txt)"
+    )
 
 CHROMIUM = shutil.which("chromium")
 if CHROMIUM is None:
-    _skip("chromium is not installed: the browser test drives Debian's package (apt-get install "
-          "chromium; .ci/run installs it when CI=true)")
+    _skip(
+        "chromium is not installed: the browser test drives Debian's package (apt-get install "
+        "chromium; .ci/run installs it when CI=true)"
+    )
 
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 USER = "admin"
@@ -67,8 +70,12 @@ class LoginStack(Stack):
 
     def token(self) -> str:
         if self._token is None:
-            self._token = self._call("POST", "/auth/token", {
-                "username": self.username, "password": self.password}, auth=False)["access_token"]
+            self._token = self._call(
+                "POST",
+                "/auth/token",
+                {"username": self.username, "password": self.password},
+                auth=False,
+            )["access_token"]
         return self._token
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
@@ -95,10 +102,14 @@ class LoginStack(Stack):
         it) exists and every run has ended: a flow that makes runs starts from a quiet stack."""
         deadline = time.monotonic() + timeout
         while True:
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             dags = {d["dag_id"]: d for d in self.get("/api/v2/dags?limit=100")["dags"]}
-            due = [i for i in dag_ids if dags[i]["next_dagrun_run_after"] is None
-                   or datetime.fromisoformat(dags[i]["next_dagrun_run_after"]) <= now]
+            due = [
+                i
+                for i in dag_ids
+                if dags[i]["next_dagrun_run_after"] is None
+                or datetime.fromisoformat(dags[i]["next_dagrun_run_after"]) <= now
+            ]
             active = self.get("/api/v2/dags/~/dagRuns?state=queued&state=running")
             if not due and active["total_entries"] == 0:
                 return
@@ -124,16 +135,21 @@ def stack(pg_admin):
     password = secrets.token_urlsafe(18)
     passwords_file = home / "simple_auth_manager_passwords.json"
     passwords_file.write_text(json.dumps({USER: password}) + "\n")
-    env = stack_env(home, devenv.recreate_database(f"pin_web_airflow{SUFFIX}"), free_port(), {
-        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
-        "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
-        # unpaused below, once the api-server answers: a task queued before it listens fails
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-    })
+    env = stack_env(
+        home,
+        devenv.recreate_database(f"pin_web_airflow{SUFFIX}"),
+        free_port(),
+        {
+            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
+            "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
+            # unpaused below, once the api-server answers: a task queued before it listens fails
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        },
+    )
     s = LoginStack(home, env, USER, password)
     try:
         s.start()
@@ -155,8 +171,10 @@ def dag_params() -> dict[str, dict]:
 
     bag = DagBag(dag_folder=str(devenv.REPO / "dags"))
     assert bag.import_errors == {}
-    return {dag_id: {k: bag.dags[dag_id].params.get_param(k) for k in bag.dags[dag_id].params}
-            for dag_id in (NEWS, CATALOG)}
+    return {
+        dag_id: {k: bag.dags[dag_id].params.get_param(k) for k in bag.dags[dag_id].params}
+        for dag_id in (NEWS, CATALOG)
+    }
 
 
 class Shots:
@@ -230,20 +248,25 @@ def page(ui, shots, request):
 
 # --- UI pieces -------------------------------------------------------------------------------
 
+
 def run_url(dag_id: str, run_id: str, rest: str = "") -> str:
     return f"/dags/{dag_id}/runs/{quote(run_id)}{rest}"
 
 
 def run_state_badge(page, run_id: str):
     """The state badge next to the run's heading on the run page."""
-    return page.get_by_role("heading", name=run_id, exact=True).locator(
-        "xpath=..").get_by_test_id("state-badge")
+    return (
+        page.get_by_role("heading", name=run_id, exact=True)
+        .locator("xpath=..")
+        .get_by_test_id("state-badge")
+    )
 
 
 def grid_cell(page, run_id: str, task: str):
     """The grid's cell of ``task`` in the run's column (a mapped task: its mapped list)."""
-    return page.locator(f'a[href$="/runs/{run_id}/tasks/{task}"], '
-                        f'a[href$="/runs/{run_id}/tasks/{task}/mapped"]')
+    return page.locator(
+        f'a[href$="/runs/{run_id}/tasks/{task}"], a[href$="/runs/{run_id}/tasks/{task}/mapped"]'
+    )
 
 
 def open_mapped_list(page, run_id: str, task: str, count: int) -> None:
@@ -272,6 +295,7 @@ def ui_text(value: Any) -> str:
 
 # --- the flows -------------------------------------------------------------------------------
 
+
 def test_login_with_the_configured_user(browser, stack, shots):
     context, page = _new_page(browser, stack)
     try:
@@ -296,8 +320,9 @@ def test_login_with_the_configured_user(browser, stack, shots):
 
 
 @pytest.mark.parametrize("dag_id", [NEWS, CATALOG])
-def test_trigger_form_shows_every_param_and_refuses_bad_values(page, stack, shots, dag_params,
-                                                              dag_id):
+def test_trigger_form_shows_every_param_and_refuses_bad_values(
+    page, stack, shots, dag_params, dag_id
+):
     params = dag_params[dag_id]
     runs_before = stack.manual_runs(dag_id)
     form = open_trigger_form(page, dag_id)
@@ -329,8 +354,11 @@ def test_trigger_form_shows_every_param_and_refuses_bad_values(page, stack, shot
     shots(page, f"{dag_id}-form")
 
     # an integer below its minimum: the number field puts it back to the bound
-    name, schema = next((k, p.schema) for k, p in params.items()
-                        if p.schema.get("type") == "integer" and "minimum" in p.schema)
+    name, schema = next(
+        (k, p.schema)
+        for k, p in params.items()
+        if p.schema.get("type") == "integer" and "minimum" in p.schema
+    )
     box = form.locator(f'[name="element_{name}"]')
     box.fill(str(schema["minimum"] - 1))
     box.press("Tab")
@@ -390,15 +418,20 @@ def sweep_run(ui, stack, shots) -> str:
     return run_id
 
 
-def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(page, stack, shots,
-                                                                      sweep_run):
+def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(
+    page, stack, shots, sweep_run
+):
     db, run_id = stack.news, sweep_run
     conf = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{quote(run_id)}")["conf"]
     assert (conf["scope"], conf["batch_size"], conf["max_ranges"]) == ("FullSweep", 5, 3)
-    sweep = db.one("SELECT DISTINCT sweep_id FROM pin_nightly.sweep_range WHERE run_id = %s",
-                   run_id)
-    ranges = db.q("SELECT range_no, lower_id::text, upper_id::text FROM pin_nightly.sweep_range "
-                  "WHERE sweep_id = %s ORDER BY range_no", sweep)
+    sweep = db.one(
+        "SELECT DISTINCT sweep_id FROM pin_nightly.sweep_range WHERE run_id = %s", run_id
+    )
+    ranges = db.q(
+        "SELECT range_no, lower_id::text, upper_id::text FROM pin_nightly.sweep_range "
+        "WHERE sweep_id = %s ORDER BY range_no",
+        sweep,
+    )
     labels = [f"FullSweep#{n} ({(lo or 'start')[:8]}..{(hi or 'end')[:8]}]" for n, lo, hi in ranges]
     assert len(labels) == 3
 
@@ -421,8 +454,11 @@ def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(page, sta
     for key in ("status", "scope", "posts_reconciled", "drift_corrected", "backlog_remaining"):
         row = page.get_by_role("row").filter(has=page.get_by_role("cell", name=key, exact=True))
         expect(row.get_by_role("cell").nth(2).locator("p")).to_have_text(ui_text(result[key]))
-    expect(page.get_by_role("row").filter(
-        has=page.get_by_role("cell", name="return_value", exact=True))).to_have_count(1)
+    expect(
+        page.get_by_role("row").filter(
+            has=page.get_by_role("cell", name="return_value", exact=True)
+        )
+    ).to_have_count(1)
     shots(page, "news-fullsweep-summary-xcom")
     assert db.drifted_posts() == 0
 
@@ -433,11 +469,15 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(60, drift_every=1)
     poison = ids[45]
-    db.q("CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
-         f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-         "RETURN NEW; END $$")
-    db.q("CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
-         "EXECUTE FUNCTION public.fail_one()")
+    db.q(
+        "CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+        "RETURN NEW; END $$"
+    )
+    db.q(
+        "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+        "EXECUTE FUNCTION public.fail_one()"
+    )
     try:
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
         page.goto(run_url(NEWS, run_id))
@@ -446,10 +486,14 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
         states = stack.task_states(NEWS, run_id)
         assert states["reconcile_range[2]"] == "failed"
         assert states["reconcile_range[0]"] == states["reconcile_range[1]"] == "success"
-        sweep = db.one("SELECT DISTINCT sweep_id FROM pin_nightly.sweep_range WHERE run_id = %s",
-                       run_id)
-        cursor = db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range "
-                        "WHERE sweep_id = %s AND range_no = 2", sweep)
+        sweep = db.one(
+            "SELECT DISTINCT sweep_id FROM pin_nightly.sweep_range WHERE run_id = %s", run_id
+        )
+        cursor = db.one(
+            "SELECT cursor_id::text FROM pin_nightly.sweep_range "
+            "WHERE sweep_id = %s AND range_no = 2",
+            sweep,
+        )
         assert ids[40] <= cursor < poison
     finally:
         db.q("DROP TRIGGER IF EXISTS fail_one ON news.posts")
@@ -462,7 +506,8 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
     expect(page).to_have_url(re.compile(r"/tasks/reconcile_range/mapped/2$"))
     page.get_by_role("button", name="Press shift+c to clear").click()
     dialog = page.get_by_role("dialog").filter(
-        has=page.get_by_role("heading", name=re.compile(r"Clear Task Instance")))
+        has=page.get_by_role("heading", name=re.compile(r"Clear Task Instance"))
+    )
     expect(dialog.get_by_role("row").filter(has_text="reconcile_range")).to_have_count(1)
     affected = set()
     for row in dialog.get_by_role("row").all()[1:]:
@@ -473,8 +518,10 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
     # neither the other ranges nor the planning
     assert [i for t, i in affected if t == "reconcile_range"] == [2], affected
     tasks = {t for t, _ in affected}
-    assert {"summarize", "release_lease"} <= tasks and not tasks & {"validate_options",
-                                                                    "plan_ranges"}, affected
+    assert {"summarize", "release_lease"} <= tasks and not tasks & {
+        "validate_options",
+        "plan_ranges",
+    }, affected
     dialog.get_by_role("button", name="Confirm").click()
     expect(dialog).to_be_hidden()
 
@@ -494,12 +541,17 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
     assert tries[("reconcile_range", 2)] == 2
     assert tries[("reconcile_range", 0)] == tries[("reconcile_range", 1)] == 1
     assert tries[("plan_ranges", -1)] == 1
-    rows = db.q("SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
-                "WHERE sweep_id = %s ORDER BY range_no", sweep)
+    rows = db.q(
+        "SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
+        "WHERE sweep_id = %s ORDER BY range_no",
+        sweep,
+    )
     assert [n for _, n in rows] == [20, 20, 20]  # the range resumed; nothing was read twice
     assert db.drifted_posts() == 0
-    assert db.q("SELECT count(*), count(DISTINCT post_id) FROM pin_nightly.news_drift "
-                "WHERE sweep_id = %s", sweep) == [(60, 60)]
+    assert db.q(
+        "SELECT count(*), count(DISTINCT post_id) FROM pin_nightly.news_drift WHERE sweep_id = %s",
+        sweep,
+    ) == [(60, 60)]
     assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
     summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
     assert summary["status"] == "success" and summary["backlog_remaining"] is False
@@ -511,7 +563,8 @@ def test_a_missed_deadline_shows_on_the_run_page(page, stack, shots, sweep_run):
     assert any(d["missed"] and d["alert_name"] == "run_over_budget" for d in deadlines), deadlines
     page.goto(run_url(NEWS, run_id))
     stat = page.get_by_test_id("stat").filter(
-        has=page.get_by_role("heading", name="Deadline", exact=True))
+        has=page.get_by_role("heading", name="Deadline", exact=True)
+    )
     expect(stat).to_contain_text("Missed")
     expect(stat).to_contain_text("run_over_budget")
     expect(stat).to_contain_text(re.compile(r"Finished \d\d:\d\d:\d\d after deadline"))

@@ -6,13 +6,13 @@ import os
 import random
 import signal
 import threading
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 import psycopg
-import pytest
 
-from tests.helpers import reference_popularity_score as reference_score, when
+from tests.helpers import reference_popularity_score as reference_score
+from tests.helpers import when
 from tools.rundag import run_dag
 
 DAG = "catalog_popularity_recompute"
@@ -21,7 +21,7 @@ D = date(2026, 11, 30)
 
 def night(d: date) -> datetime:
     """The logical date of the scheduled run for as_of_date ``d`` (03:00 UTC)."""
-    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=timezone.utc)
+    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
 
 
 def run(conf=None, as_of: date = D, **kw):
@@ -46,8 +46,12 @@ def test_zero_counters_write_snapshots_but_no_score(catalog_db):
     s = assert_ok(run())
     assert s["snapshots_written"] == 2
     assert s["property_object_cards_updated"] == s["project_cards_updated"] == 0
-    assert catalog_db.q("SELECT updated_at FROM catalog.property_object_cards WHERE id = %s",
-                        a)[0][0].year == 2026
+    assert (
+        catalog_db.q("SELECT updated_at FROM catalog.property_object_cards WHERE id = %s", a)[0][
+            0
+        ].year
+        == 2026
+    )
     assert catalog_db.snapshots(p) == [(D, 0)]
 
 
@@ -58,8 +62,17 @@ def test_decay_example_gives_30_5084(catalog_db):
     s = assert_ok(run())  # today's snapshot 135: delta 10 at age 0
     assert catalog_db.score(cid) == Decimal("30.5084")
     assert s["property_object_cards_updated"] == 1
-    assert reference_score({D - timedelta(days=3): 100, D - timedelta(days=2): 125,
-                            D - timedelta(days=1): 125, D: 135}, D, 30, 7) == Decimal("30.5084")
+    assert reference_score(
+        {
+            D - timedelta(days=3): 100,
+            D - timedelta(days=2): 125,
+            D - timedelta(days=1): 125,
+            D: 135,
+        },
+        D,
+        30,
+        7,
+    ) == Decimal("30.5084")
 
 
 def test_first_snapshot_is_a_baseline(catalog_db):
@@ -75,11 +88,14 @@ def test_rerun_of_a_date_is_idempotent(catalog_db):
     catalog_db.set_views(cid, 130)
     s1 = assert_ok(run())
     assert catalog_db.score(cid) == Decimal("30.0000")  # delta 30 at weight 1
-    before = catalog_db.q("SELECT id, popularity_score, updated_at "
-                          "FROM catalog.property_object_cards")
+    before = catalog_db.q(
+        "SELECT id, popularity_score, updated_at FROM catalog.property_object_cards"
+    )
     s2 = assert_ok(run())
-    assert catalog_db.q("SELECT id, popularity_score, updated_at "
-                        "FROM catalog.property_object_cards") == before
+    assert (
+        catalog_db.q("SELECT id, popularity_score, updated_at FROM catalog.property_object_cards")
+        == before
+    )
     assert catalog_db.snapshots(cid) == [(D - timedelta(days=1), 100), (D, 130)]
     assert s1["property_object_cards_updated"] == 1 and s2["property_object_cards_updated"] == 0
     assert s2["snapshots_written"] == 1  # upserted, not duplicated
@@ -97,7 +113,7 @@ def test_a_card_without_new_views_decays_to_zero_past_the_window(catalog_db):
     assert scores[0] == Decimal(40)
     for n in range(1, w):
         assert scores[n] < scores[n - 1]
-        assert scores[n] == (40 * lam ** n).quantize(Decimal("0.0001"))
+        assert scores[n] == (40 * lam**n).quantize(Decimal("0.0001"))
     assert scores[w] == 0  # the growth day left the window
 
 
@@ -107,7 +123,8 @@ def test_missed_nights_put_the_growth_on_the_first_night_after(catalog_db):
     catalog_db.seed_snapshot(cid, D - timedelta(days=3), 100)  # D-2 and D-1 missed
     assert_ok(run())
     assert catalog_db.score(cid) == Decimal("60.0000") + (
-        Decimal(10) * Decimal(2) ** (Decimal(-3) / 7)).quantize(Decimal("0.0001"))
+        Decimal(10) * Decimal(2) ** (Decimal(-3) / 7)
+    ).quantize(Decimal("0.0001"))
 
 
 def test_an_older_as_of_date_writes_nothing(catalog_db):
@@ -171,9 +188,12 @@ def test_dry_run_writes_nothing(catalog_db):
     catalog_db.seed_snapshot(a, D - timedelta(days=1), 5)
     catalog_db.seed_snapshot(a, D - timedelta(days=45), 1)
     s = assert_ok(run({"dry_run": True}))
-    assert s["dry_run_report"] == {"property_object_cards_updated": 1,
-                                   "project_cards_updated": 0, "snapshots_written": 1,
-                                   "snapshots_pruned": 1}
+    assert s["dry_run_report"] == {
+        "property_object_cards_updated": 1,
+        "project_cards_updated": 0,
+        "snapshots_written": 1,
+        "snapshots_pruned": 1,
+    }
     assert s["property_object_cards_updated"] == s["snapshots_written"] == 0
     assert catalog_db.score(a) == 0
     assert len(catalog_db.snapshots(a)) == 2
@@ -211,22 +231,40 @@ def test_scores_match_an_independent_computation_over_a_random_month(catalog_db)
 
 def _cards_and_sweep(catalog_db, n: int, batch_size: int):
     """n cards, a lease and a planned two-range sweep, as the DAG's tasks would make them."""
-    from pin_nightly import catalog, jobs, keyset, lease as leases
+    from pin_nightly import catalog, jobs, keyset
+    from pin_nightly import lease as leases
     from pin_nightly.db import connection
 
     ids = [catalog_db.card(views=i) for i in range(n)]
     for i, cid in enumerate(ids):
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), max(0, i - 3))
-    opts = {**catalog.DEFAULTS, "as_of_date": D.isoformat(), "batch_size": batch_size,
-            "max_ranges": 2}
+    opts = {
+        **catalog.DEFAULTS,
+        "as_of_date": D.isoformat(),
+        "batch_size": batch_size,
+        "max_ranges": 2,
+    }
     with connection("catalog_db") as conn:
         jobs.preflight(conn, catalog.JOB)
         lease = leases.acquire(conn, catalog.JOB.lock_key, "test/parallel", 10, 5)
-        spec = keyset.SweepSpec(job=catalog.JOB.code, scope=f"PropertyObject@{D}",
-                                family="PropertyObject", resumable=True)
-        sweep = keyset.open_sweep(conn, spec, "test/parallel", lambda cur, s: keyset.boundaries(
-            cur, catalog.card_sql("source", "PropertyObject").strip(),
-            {"targeted": False, "card_ids": []}, batch_size, 2))
+        spec = keyset.SweepSpec(
+            job=catalog.JOB.code,
+            scope=f"PropertyObject@{D}",
+            family="PropertyObject",
+            resumable=True,
+        )
+        sweep = keyset.open_sweep(
+            conn,
+            spec,
+            "test/parallel",
+            lambda cur, s: keyset.boundaries(
+                cur,
+                catalog.card_sql("source", "PropertyObject").strip(),
+                {"targeted": False, "card_ids": []},
+                batch_size,
+                2,
+            ),
+        )
     return ids, opts, lease, keyset.range_descriptors(sweep, "PropertyObject")
 
 
@@ -241,8 +279,11 @@ def test_two_parallel_workers_recompute_each_card_exactly_once(catalog_db):
     def worker(rng):
         try:
             with connection("catalog_db") as conn:
-                results.append(keyset.run_range(
-                    conn, rng, lease, 25, catalog.make_batch("PropertyObject", opts)))
+                results.append(
+                    keyset.run_range(
+                        conn, rng, lease, 25, catalog.make_batch("PropertyObject", opts)
+                    )
+                )
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -254,13 +295,22 @@ def test_two_parallel_workers_recompute_each_card_exactly_once(catalog_db):
     assert errors == []
     assert sorted(r.processed for r in results) == [200, 200]
     assert sum(r.written for r in results) == 400
-    assert catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views "
-                          "WHERE run_date = %s", D) == 400
+    assert (
+        catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date = %s", D)
+        == 400
+    )
     # each card's snapshot was written by exactly one transaction (no upsert over another)
-    assert catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views "
-                          "WHERE run_date = %s AND xmin::text::bigint IN (SELECT xmin::text::bigint "
-                          "FROM catalog.popularity_daily_views WHERE run_date = %s "
-                          "GROUP BY 1 HAVING count(*) > 25)", D, D) == 0
+    assert (
+        catalog_db.one(
+            "SELECT count(*) FROM catalog.popularity_daily_views "
+            "WHERE run_date = %s AND xmin::text::bigint IN (SELECT xmin::text::bigint "
+            "FROM catalog.popularity_daily_views WHERE run_date = %s "
+            "GROUP BY 1 HAVING count(*) > 25)",
+            D,
+            D,
+        )
+        == 0
+    )
     for i, cid in enumerate(ids):
         assert catalog_db.score(cid) == min(i, 3)
 
@@ -277,9 +327,11 @@ def test_consumer_increments_during_a_run_are_never_lost_or_torn(catalog_db):
             while not stop.is_set():
                 try:
                     for cid in hot:
-                        conn.execute("UPDATE catalog.property_object_cards "
-                                     "SET popularity_views = popularity_views + 1 WHERE id = %s",
-                                     (cid,))
+                        conn.execute(
+                            "UPDATE catalog.property_object_cards "
+                            "SET popularity_views = popularity_views + 1 WHERE id = %s",
+                            (cid,),
+                        )
                         done[0] += 1
                 except Exception as exc:  # noqa: BLE001
                     errors.append(exc)
@@ -293,8 +345,12 @@ def test_consumer_increments_during_a_run_are_never_lost_or_torn(catalog_db):
         stop.set()
         t.join(30)
     assert errors == [] and done[0] > 0
-    final = {cid: catalog_db.one("SELECT popularity_views FROM catalog.property_object_cards "
-                                 "WHERE id = %s", cid) for cid in hot}
+    final = {
+        cid: catalog_db.one(
+            "SELECT popularity_views FROM catalog.property_object_cards WHERE id = %s", cid
+        )
+        for cid in hot
+    }
     assert sum(final.values()) == 5 * 1000 + done[0]  # every increment landed
     for cid in hot:
         [(d, snap)] = [x for x in catalog_db.snapshots(cid) if x[0] == D]
@@ -311,21 +367,37 @@ def test_stopping_mid_run_keeps_whole_batches_and_releases_locks(catalog_db):
     ids = [catalog_db.card(views=7) for _ in range(60)]
     for cid in ids:
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), 2)
-    when(lambda: catalog_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
-         >= 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    when(
+        lambda: (
+            catalog_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range") >= 2
+        ),
+        lambda: os.kill(os.getpid(), signal.SIGTERM),
+    )
     r = run({"batch_size": 5, "max_ranges": 1})
     assert r["state"] == "failed"
-    written = catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views "
-                             "WHERE run_date = %s", D)
-    scored = catalog_db.one("SELECT count(*) FROM catalog.property_object_cards "
-                            "WHERE popularity_score = 5")
+    written = catalog_db.one(
+        "SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date = %s", D
+    )
+    scored = catalog_db.one(
+        "SELECT count(*) FROM catalog.property_object_cards WHERE popularity_score = 5"
+    )
     assert written == scored and written % 5 == 0 and 10 <= written < 60
     # no row lock is left behind
     with psycopg.connect(catalog_db.dsn) as conn:
         conn.execute("SET lock_timeout = '1s'")
-        assert len(conn.execute("SELECT id FROM catalog.property_object_cards FOR UPDATE NOWAIT")
-                   .fetchall()) == 60
+        assert (
+            len(
+                conn.execute(
+                    "SELECT id FROM catalog.property_object_cards FOR UPDATE NOWAIT"
+                ).fetchall()
+            )
+            == 60
+        )
     s = assert_ok(run({"batch_size": 5, "max_ranges": 1}))
     assert s["property_object_cards_processed"] == 60 - written  # resumed from the cursor
-    assert catalog_db.one("SELECT count(*) FROM catalog.property_object_cards "
-                          "WHERE popularity_score = 5") == 60
+    assert (
+        catalog_db.one(
+            "SELECT count(*) FROM catalog.property_object_cards WHERE popularity_score = 5"
+        )
+        == 60
+    )

@@ -8,6 +8,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 import urllib.parse
 from importlib import metadata, util
 from pathlib import Path
@@ -22,27 +24,38 @@ ENV_EXAMPLE = REPO / ".env.example"
 JOBS_DB_INIT = REPO / "include" / "compose" / "jobs-db-init.sh"
 
 AIRFLOW_VERSION = "3.3.2"
-AIRFLOW_SERVICES = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-                    "airflow-triggerer", "airflow-init"}
+AIRFLOW_SERVICES = {
+    "airflow-apiserver",
+    "airflow-scheduler",
+    "airflow-dag-processor",
+    "airflow-triggerer",
+    "airflow-init",
+}
 REQUIRED_SERVICES = AIRFLOW_SERVICES | {"postgres", "jobs-db"}
 MONITORING_SERVICES = {"statsd-exporter", "prometheus", "otel-collector", "jaeger"}
 # Images without a shell or an HTTP client: no in-container healthcheck is possible; they are
 # probed from outside (the collector's health_check extension on port 13133).
 NO_SHELL_SERVICES = {"otel-collector"}
 ONE_SHOT_SERVICES = {"airflow-init", "demo-data"}
-AIRFLOW_MOUNTS = {"dags": "/opt/airflow/dags", "plugins": "/opt/airflow/plugins",
-                  "include": "/opt/airflow/include", "pools.json": "/opt/airflow/pools.json"}
+AIRFLOW_MOUNTS = {
+    "dags": "/opt/airflow/dags",
+    "plugins": "/opt/airflow/plugins",
+    "include": "/opt/airflow/include",
+    "pools.json": "/opt/airflow/pools.json",
+}
 JOB_CONNECTIONS = ("news_db", "catalog_db")
 
 # Compose interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, ${VAR?err}, $VAR;
 # "$$" is an escaped "$" (left to the container's shell).
 INTERPOLATION = re.compile(
     r"(?<!\$)\$(?:\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
-    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
 SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|FERNET|TOKEN|API_KEY|PRIVATE_KEY", re.I)
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
@@ -92,6 +105,7 @@ def scalars(node):
 
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose's interpolation of ``text`` with ``env`` (as .env would give it)."""
+
     def one(m: re.Match) -> str:
         name = m["name"] or m["bare"]
         op, arg = m["op"], m["arg"] or ""
@@ -101,6 +115,7 @@ def interpolate(text: str, env: dict[str, str]) -> str:
                 raise AssertionError(f"${{{name}}} is required: {arg}")
             return arg
         return value or ""
+
     return INTERPOLATION.sub(one, text).replace("$$", "$")
 
 
@@ -118,7 +133,7 @@ def cli_calls(text: str, prefix: str) -> list[list[str]]:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith(prefix + " "):
-            calls.append(shlex.split(line.split(" #")[0])[len(prefix.split()):])
+            calls.append(shlex.split(line.split(" #")[0])[len(prefix.split()) :])
     return calls
 
 
@@ -135,8 +150,9 @@ def volumes(service: dict) -> list[tuple[str, str, str]]:
     result = []
     for vol in service.get("volumes") or []:
         if isinstance(vol, dict):
-            result.append((vol.get("type", "volume"), str(vol.get("source", "")),
-                           str(vol["target"])))
+            result.append(
+                (vol.get("type", "volume"), str(vol.get("source", "")), str(vol["target"]))
+            )
             continue
         source, target = vol.split(":")[:2]
         kind = "bind" if source.startswith((".", "/", "~")) else "volume"
@@ -156,22 +172,28 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 
 def jobs_db_env(services, env_example) -> dict[str, str]:
-    return {k: interpolate(v, env_example) for k, v in environment(services["jobs-db"]).items()
-            if v is not None}
+    return {
+        k: interpolate(v, env_example)
+        for k, v in environment(services["jobs-db"]).items()
+        if v is not None
+    }
 
 
 def init_connections(services, env_example) -> dict[str, dict[str, str]]:
     """conn_id -> options of the ``airflow connections add`` calls of airflow-init, with the
     shell variables resolved from the service's environment and .env.example."""
     init = services["airflow-init"]
-    runtime_env = {k: interpolate(v, env_example) for k, v in environment(init).items()
-                   if v is not None}
+    runtime_env = {
+        k: interpolate(v, env_example) for k, v in environment(init).items() if v is not None
+    }
     text = script(init).replace("$$", "$")
     conns = {}
     for args in cli_calls(text, "airflow connections add"):
         opts = options(args[1:])
-        conns[args[0]] = {k: re.sub(r"\$\{(\w+)\}", lambda m: runtime_env.get(m[1], "<unset>"),
-                                    v) for k, v in opts.items()}
+        conns[args[0]] = {
+            k: re.sub(r"\$\{(\w+)\}", lambda m: runtime_env.get(m[1], "<unset>"), v)
+            for k, v in opts.items()
+        }
     return conns
 
 
@@ -181,16 +203,19 @@ def published_ports(service: dict) -> list:
 
 # --- services --------------------------------------------------------------------------------
 
+
 def test_required_services_exist_and_start_by_default(services):
     missing = REQUIRED_SERVICES - set(services)
     assert not missing, f"services missing from docker-compose.yaml: {sorted(missing)}"
     for name in REQUIRED_SERVICES:
-        assert not services[name].get("profiles"), \
+        assert not services[name].get("profiles"), (
             f"{name} is behind a profile: `docker compose up -d` would not start it"
+        )
     for name in MONITORING_SERVICES:
         assert name in services, f"monitoring service {name} is missing"
-        assert services[name].get("profiles") == ["monitoring"], \
+        assert services[name].get("profiles") == ["monitoring"], (
             f"{name} must be in (only) the profile monitoring"
+        )
     if "demo-data" in services:
         assert services["demo-data"].get("profiles"), "demo data must be loaded only on request"
 
@@ -200,31 +225,37 @@ def test_long_running_services_have_healthchecks(services):
         if name in ONE_SHOT_SERVICES:
             assert svc.get("restart") in (None, "no"), f"one-shot {name} must not be restarted"
             continue
-        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), \
+        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), (
             f"{name} is long-running but has no restart policy"
+        )
         if name in NO_SHELL_SERVICES:
             assert not svc.get("healthcheck"), f"{name}: its image cannot run a healthcheck"
             continue
         check = svc.get("healthcheck") or {}
-        assert check.get("test") and not check.get("disable") \
-            and check["test"] not in (["NONE"], "NONE"), f"{name} has no healthcheck"
+        assert (
+            check.get("test")
+            and not check.get("disable")
+            and check["test"] not in (["NONE"], "NONE")
+        ), f"{name} has no healthcheck"
 
 
 def test_airflow_services_wait_for_metadata_db_and_init(services):
     for name in AIRFLOW_SERVICES:
         deps = services[name].get("depends_on") or {}
-        assert deps.get("postgres", {}).get("condition") == "service_healthy", \
+        assert deps.get("postgres", {}).get("condition") == "service_healthy", (
             f"{name} must wait for a healthy metadata database"
+        )
         if name != "airflow-init":
-            assert deps.get("airflow-init", {}).get("condition") == \
-                "service_completed_successfully", f"{name} must start after airflow-init"
+            assert (
+                deps.get("airflow-init", {}).get("condition") == "service_completed_successfully"
+            ), f"{name} must start after airflow-init"
     # LocalExecutor: the tasks run in the scheduler and need the jobs' database.
-    assert services["airflow-scheduler"]["depends_on"]["jobs-db"]["condition"] == \
-        "service_healthy"
+    assert services["airflow-scheduler"]["depends_on"]["jobs-db"]["condition"] == "service_healthy"
     assert services["airflow-apiserver"].get("command") == "api-server"
 
 
 # --- image -----------------------------------------------------------------------------------
+
 
 def test_dockerfile_base_image_is_pinned():
     froms = [rest.split()[0] for keyword, rest in dockerfile_instructions() if keyword == "FROM"]
@@ -248,6 +279,19 @@ def test_versions_agree():
     assert metadata.version("apache-airflow") == AIRFLOW_VERSION
 
 
+def test_the_image_carries_no_development_tools():
+    """The image installs requirements.txt: the runtime set, without the test and lint tools of
+    requirements-dev.txt."""
+    runtime = {
+        re.split(r"[=<>\[ ]", line, maxsplit=1)[0].lower()
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    dev_only = {"pytest", "pgserver", "playwright", "ruff", "detect-secrets", "check-jsonschema"}
+    assert runtime and not runtime & dev_only, runtime & dev_only
+    assert "-r requirements.txt" in (REPO / "requirements-dev.txt").read_text()
+
+
 def test_dockerfile_installs_pinned_requirements_as_airflow():
     instructions = dockerfile_instructions()
     user = "airflow"  # the base image's user
@@ -259,8 +303,9 @@ def test_dockerfile_installs_pinned_requirements_as_airflow():
             installs.append((user, rest))
         elif keyword in ("COPY", "ADD"):
             sources = [a for a in shlex.split(rest) if not a.startswith("--")][:-1]
-            assert {Path(s).name for s in sources} <= {"requirements.txt", "constraints.txt"}, \
+            assert {Path(s).name for s in sources} <= {"requirements.txt", "constraints.txt"}, (
                 f"{keyword} {rest}: only the dependency files are baked in (the rest is mounted)"
+            )
     assert installs, "the Dockerfile installs nothing"
     for user, command in installs:
         assert user == "airflow", "pip must run as the airflow user (official image docs)"
@@ -270,8 +315,9 @@ def test_dockerfile_installs_pinned_requirements_as_airflow():
 
 def test_no_pip_additional_requirements(services):
     for name, svc in services.items():
-        assert "_PIP_ADDITIONAL_REQUIREMENTS" not in environment(svc), \
+        assert "_PIP_ADDITIONAL_REQUIREMENTS" not in environment(svc), (
             f"{name}: dependencies belong in the image, not _PIP_ADDITIONAL_REQUIREMENTS"
+        )
     for keyword, rest in dockerfile_instructions():
         assert "_PIP_ADDITIONAL_REQUIREMENTS" not in rest, f"Dockerfile {keyword} {rest}"
 
@@ -282,11 +328,13 @@ def test_airflow_services_share_the_built_image(compose, services):
         build = svc.get("build")
         context = build if isinstance(build, str) else (build or {}).get("context")
         assert context and (REPO / context).resolve() == REPO, f"{name} does not build ./"
-        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile",
-                                                                           "Dockerfile")
+        dockerfile = (
+            "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        )
         assert (REPO / dockerfile).resolve() == DOCKERFILE
-        assert svc.get("image") == services["airflow-scheduler"].get("image"), \
+        assert svc.get("image") == services["airflow-scheduler"].get("image"), (
             f"{name} runs another image than the scheduler"
+        )
     for name, svc in services.items():
         image = svc.get("image")
         if image and "build" not in svc:
@@ -296,20 +344,26 @@ def test_airflow_services_share_the_built_image(compose, services):
 
 # --- Airflow configuration -------------------------------------------------------------------
 
+
 def test_load_examples_off_and_core_settings(services):
     for name in AIRFLOW_SERVICES:
         env = environment(services[name])
         assert (env.get("AIRFLOW__CORE__LOAD_EXAMPLES") or "").lower() == "false", name
         assert env.get("AIRFLOW__CORE__EXECUTOR") == "LocalExecutor", name
-        assert env.get("AIRFLOW__CORE__EXECUTION_API_SERVER_URL") == \
-            "http://airflow-apiserver:8080/execution/", name
+        assert (
+            env.get("AIRFLOW__CORE__EXECUTION_API_SERVER_URL")
+            == "http://airflow-apiserver:8080/execution/"
+        ), name
         assert env.get("AIRFLOW__CORE__DEFAULT_TASK_RETRIES") == "2", name
-        assert env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "").startswith(
-            "postgresql+psycopg2://") and "@postgres:" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        assert (
+            env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "").startswith("postgresql+psycopg2://")
+            and "@postgres:" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        )
         # Components must agree on these or tokens / connection passwords cannot be read.
         for key in ("AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET"):
-            assert env.get(key) == environment(services["airflow-scheduler"]).get(key), \
+            assert env.get(key) == environment(services["airflow-scheduler"]).get(key), (
                 f"{name}: {key} differs from the scheduler's"
+            )
             assert env.get(key), f"{name}: {key} is not set"
 
 
@@ -319,34 +373,45 @@ def test_airflow_options_exist_in_airflow_config_reference(services):
     spec = util.find_spec("airflow")
     reference = Path(list(spec.submodule_search_locations)[0]) / "config_templates" / "config.yml"
     config = yaml.safe_load(reference.read_text())
-    known = {(section, option) for section, body in config.items()
-             for option in (body.get("options") or {})}
+    known = {
+        (section, option)
+        for section, body in config.items()
+        for option in (body.get("options") or {})
+    }
     for name, svc in services.items():
         for key in environment(svc):
             if not key.startswith("AIRFLOW__"):
                 continue
             _, section, option = key.lower().split("__", 2)
-            option = re.sub(r"_(cmd|secret)$", "", option) \
-                if (section, option) not in known else option
-            assert (section, option) in known, f"{name}: {key} is no option of Airflow " \
-                                               f"{AIRFLOW_VERSION} ({reference})"
+            option = (
+                re.sub(r"_(cmd|secret)$", "", option) if (section, option) not in known else option
+            )
+            assert (section, option) in known, (
+                f"{name}: {key} is no option of Airflow {AIRFLOW_VERSION} ({reference})"
+            )
 
 
 def test_metrics_go_to_statsd_exporter_with_tags(services, env_example):
     env = environment(services["airflow-scheduler"])
-    assert env.get("AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED", "").lower() == "true", \
+    assert env.get("AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED", "").lower() == "true", (
         "without InfluxDB-style tags statsd-exporter loses every metric tag"
+    )
     host = env.get("AIRFLOW__METRICS__STATSD_HOST")
     assert host in services, f"StatsD host {host!r} is no compose service"
-    listen = [a for a in scalars(services[host].get("command") or [])
-              if a.startswith("--statsd.listen-udp=")]
+    listen = [
+        a
+        for a in scalars(services[host].get("command") or [])
+        if a.startswith("--statsd.listen-udp=")
+    ]
     assert listen and listen[0].rsplit(":", 1)[1] == env.get("AIRFLOW__METRICS__STATSD_PORT")
     assert "AIRFLOW__METRICS__STATSD_ON" in env
     # The mapping and the Prometheus files are those of include/monitoring/.
     mounts = {src: tgt for _, src, tgt in volumes(services[host])}
     assert mounts.get("./include/monitoring/statsd_mapping.yml")
-    assert f"--statsd.mapping-config={mounts['./include/monitoring/statsd_mapping.yml']}" in \
-        services[host]["command"]
+    assert (
+        f"--statsd.mapping-config={mounts['./include/monitoring/statsd_mapping.yml']}"
+        in services[host]["command"]
+    )
     prom = {src: tgt for _, src, tgt in volumes(services["prometheus"])}
     assert prom.get("./include/monitoring/prometheus") == "/etc/prometheus"
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
@@ -359,8 +424,11 @@ def test_traces_go_through_the_collector_to_jaeger(services):
     endpoint = urllib.parse.urlsplit(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
     assert endpoint.hostname == "otel-collector" and endpoint.path == "/v1/traces"
     mounts = {tgt: src for _, src, tgt in volumes(services["otel-collector"])}
-    config_path = [a.split("=", 1)[1] for a in services["otel-collector"]["command"]
-                   if a.startswith("--config=")][0]
+    config_path = [
+        a.split("=", 1)[1]
+        for a in services["otel-collector"]["command"]
+        if a.startswith("--config=")
+    ][0]
     config = yaml.safe_load((REPO / mounts[config_path]).read_text())
     http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     assert http.rsplit(":", 1)[1] == str(endpoint.port)
@@ -373,10 +441,11 @@ def test_traces_go_through_the_collector_to_jaeger(services):
 
 # --- mounts ----------------------------------------------------------------------------------
 
+
 def test_bind_mount_sources_exist_in_repository(compose, services):
     declared = set(compose.get("volumes") or {})
     for name, svc in services.items():
-        for kind, source, target in volumes(svc):
+        for kind, source, _target in volumes(svc):
             if kind != "bind":
                 assert source in declared, f"{name}: volume {source} is not declared"
                 continue
@@ -385,8 +454,11 @@ def test_bind_mount_sources_exist_in_repository(compose, services):
             assert path.is_relative_to(REPO), f"{name}: {source} is outside the repository"
             assert path.exists(), f"{name}: mount source {source} does not exist"
     for name in AIRFLOW_SERVICES:
-        mounts = {(REPO / src).resolve(): tgt for kind, src, tgt in volumes(services[name])
-                  if kind == "bind"}
+        mounts = {
+            (REPO / src).resolve(): tgt
+            for kind, src, tgt in volumes(services[name])
+            if kind == "bind"
+        }
         for source, target in AIRFLOW_MOUNTS.items():
             assert mounts.get(REPO / source) == target, f"{name}: ./{source} not at {target}"
 
@@ -395,13 +467,17 @@ def test_jobs_db_init_creates_the_connections_databases(services, env_example):
     jobs_db = services["jobs-db"]
     mounts = {src: tgt for kind, src, tgt in volumes(jobs_db) if kind == "bind"}
     init_target = mounts.get("./" + JOBS_DB_INIT.relative_to(REPO).as_posix())
-    assert init_target and init_target.startswith("/docker-entrypoint-initdb.d/") \
-        and init_target.endswith(".sh"), "jobs-db does not run include/compose/jobs-db-init.sh"
+    assert (
+        init_target
+        and init_target.startswith("/docker-entrypoint-initdb.d/")
+        and init_target.endswith(".sh")
+    ), "jobs-db does not run include/compose/jobs-db-init.sh"
     assert os.access(JOBS_DB_INIT, os.X_OK), "the init script must be executable (else sourced)"
     text = JOBS_DB_INIT.read_text()
     schema_dir = jobs_db_env(services, env_example).get("PIN_SCHEMA_DIR")
-    assert schema_dir and mounts.get("./include/sql/schema") == schema_dir, \
+    assert schema_dir and mounts.get("./include/sql/schema") == schema_dir, (
         "the schema files are not mounted where the init script reads them"
+    )
 
     created = set(re.search(r"^for db in ([\w ]+); do$", text, re.M)[1].split())
     assert "CREATE DATABASE" in text
@@ -421,14 +497,16 @@ def test_jobs_db_init_creates_the_connections_databases(services, env_example):
 
 # --- airflow-init ----------------------------------------------------------------------------
 
+
 def test_init_imports_pools_json(services):
     init = services["airflow-init"]
     imports = [args for args in cli_calls(script(init), "airflow pools") if args[0] == "import"]
     assert imports, "airflow-init does not import the pools"
     mounts = {tgt: (REPO / src).resolve() for kind, src, tgt in volumes(init) if kind == "bind"}
     for args in imports:
-        assert mounts.get(args[1]) == REPO / "pools.json", \
+        assert mounts.get(args[1]) == REPO / "pools.json", (
             f"airflow-init imports {args[1]}, which is not the repository's pools.json"
+        )
 
 
 def test_every_pool_is_defined_in_pools_json():
@@ -462,6 +540,7 @@ def test_init_creates_job_connections(services, env_example):
 
 # --- secrets and variables -------------------------------------------------------------------
 
+
 def _no_literal_default(m: re.Match) -> bool:
     return not (m["op"] or "").endswith("-") or not m["arg"]
 
@@ -483,16 +562,19 @@ def _url_passwords(value: str) -> list[str]:
         return f"VAR{len(found) - 1}X"
 
     masked = INTERPOLATION.sub(mask, value)
-    return [re.sub(r"VAR(\d+)X", lambda v: found[int(v[1])], m[1])
-            for m in re.finditer(r"://[^/\s:@]+:([^@\s]+)@", masked)]
+    return [
+        re.sub(r"VAR(\d+)X", lambda v: found[int(v[1])], m[1])
+        for m in re.finditer(r"://[^/\s:@]+:([^@\s]+)@", masked)
+    ]
 
 
 def test_no_literal_secrets(compose, services):
     for name, svc in services.items():
         for key, value in environment(svc).items():
             if SECRET_NAME.search(key) and not key.endswith(("_FILE", "_PATH", "_CONN_ID")):
-                assert value is not None and _only_interpolation(value), \
+                assert value is not None and _only_interpolation(value), (
                     f"{name}: {key} must come from .env (${{VAR:?}}), got {value!r}"
+                )
     for value in scalars(compose):
         for password in _url_passwords(value):
             assert _only_interpolation(password), f"literal password in URL {value!r}"
@@ -523,14 +605,16 @@ def test_interpolated_variables_are_in_env_example(compose, services, env_exampl
     for name, svc in services.items():
         for key, value in environment(svc).items():
             if value is None:
-                assert re.search(rf"^#?\s*{key}=", env_text, re.M), \
+                assert re.search(rf"^#?\s*{key}=", env_text, re.M), (
                     f"{name}: pass-through {key} is not documented in .env.example"
+                )
     # .env.example as .env satisfies every required variable.
     for value in scalars(compose):
         interpolate(value, env_example)
 
 
 # --- network ---------------------------------------------------------------------------------
+
 
 def test_published_ports_bind_localhost(services, env_example):
     for name, svc in services.items():
@@ -542,5 +626,18 @@ def test_published_ports_bind_localhost(services, env_example):
                 host_ip = parts[0] if len(parts) == 3 else None
             assert host_ip == "127.0.0.1", f"{name}: port {port} is published on every interface"
     api_ports = [str(p) for p in published_ports(services["airflow-apiserver"])]
-    assert any(p.startswith("127.0.0.1:") and p.endswith(":8080") for p in api_ports), \
+    assert any(p.startswith("127.0.0.1:") and p.endswith(":8080") for p in api_ports), (
         "the api-server's port 8080 is not published on 127.0.0.1"
+    )
+
+
+def test_compose_file_matches_the_compose_spec():
+    """docker-compose.yaml against the Compose Specification's JSON schema (vendored by
+    check-jsonschema); the tests above check what only this project knows."""
+    tool = Path(sys.executable).with_name("check-jsonschema")
+    proc = subprocess.run(
+        [str(tool), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -62,10 +62,13 @@ def test_dag_files_do_no_work_at_parse_time():
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW_CONN_")}
-    code = ("from airflow.dag_processing.dagbag import DagBag; "
-            f"b = DagBag(dag_folder={str(REPO / 'dags')!r}); "
-            "assert not b.import_errors, b.import_errors; print(len(b.dags))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "from airflow.dag_processing.dagbag import DagBag; "
+        f"b = DagBag(dag_folder={str(REPO / 'dags')!r}); "
+        "assert not b.import_errors, b.import_errors; print(len(b.dags))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) >= len(DAGS)

@@ -53,8 +53,10 @@ def fire_times(dag_id: str, now: pendulum.DateTime) -> tuple[pendulum.DateTime, 
 def readme_anchors() -> set[str]:
     """GitHub's anchors of README.md's headings."""
     text = (devenv.REPO / "README.md").read_text()
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", text, re.M)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +70,21 @@ def stack(pg_admin):
     create_catalog_schema(catalog_dsn)
     hook = Webhook()
     port = free_port()
-    env = stack_env(home, devenv.recreate_database(f"pin_sla_airflow{SUFFIX}"), port, {
-        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
-        "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
-            {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        # no scheduled run before a test unpauses its DAG
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-    })
+    env = stack_env(
+        home,
+        devenv.recreate_database(f"pin_sla_airflow{SUFFIX}"),
+        port,
+        {
+            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+            "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
+                {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}
+            ),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            # no scheduled run before a test unpauses its DAG
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        },
+    )
     s = Stack(home, env)
     home.mkdir(parents=True, exist_ok=True)
     # the slow part of a start (a minute under load), before the clock starts
@@ -91,7 +99,8 @@ def stack(pg_admin):
         time.sleep((nearest - now).total_seconds() + 2)
     for dag_id, (fire, _) in fires.items():
         env[f"PIN_{dag_id.upper()}_STALE_DEADLINE_SECONDS"] = str(
-            math.ceil((now - fire).total_seconds()) + MARGIN)
+            math.ceil((now - fire).total_seconds()) + MARGIN
+        )
     s.fire = {dag_id: fire for dag_id, (fire, _) in fires.items()}
     s.deadline = now.add(seconds=MARGIN)
     s.hook = hook
@@ -112,17 +121,20 @@ def stack(pg_admin):
 
 
 def set_paused(stack: Stack, dag_id: str, paused: bool) -> None:
-    stack.request("PATCH", f"/api/v2/dags/{dag_id}?update_mask=is_paused",
-                  {"is_paused": paused})
+    stack.request("PATCH", f"/api/v2/dags/{dag_id}?update_mask=is_paused", {"is_paused": paused})
 
 
 def set_slots(stack: Stack, pool: str, slots: int) -> None:
-    stack.request("PATCH", f"/api/v2/pools/{pool}?update_mask=slots",
-                  {"pool": pool, "slots": slots, "include_deferred": False})
+    stack.request(
+        "PATCH",
+        f"/api/v2/pools/{pool}?update_mask=slots",
+        {"pool": pool, "slots": slots, "include_deferred": False},
+    )
 
 
 def scheduled_run(stack: Stack, dag_id: str, timeout: float = 60) -> dict:
     """The DAG's scheduled run, once the scheduler has created it."""
+
     def find():
         runs = stack.get(f"/api/v2/dags/{dag_id}/dagRuns?limit=100")["dag_runs"]
         return [r for r in runs if r["run_type"] == "scheduled"]
@@ -135,9 +147,14 @@ def scheduled_run(stack: Stack, dag_id: str, timeout: float = 60) -> dict:
 def deadline_alert(stack: Stack, dag_id: str) -> dict:
     """The no_success_26h message of ``dag_id``, waiting up to its deadline plus a margin."""
     wait = (stack.deadline - pendulum.now("UTC")).total_seconds() + 120
-    hits = stack.hook.wait_for(lambda r: r.get("alert") == "deadline_missed"
-                               and r.get("deadline_alert") == "no_success_26h"
-                               and r.get("dag_id") == dag_id, timeout=max(wait, 120))
+    hits = stack.hook.wait_for(
+        lambda r: (
+            r.get("alert") == "deadline_missed"
+            and r.get("deadline_alert") == "no_success_26h"
+            and r.get("dag_id") == dag_id
+        ),
+        timeout=max(wait, 120),
+    )
     assert len(hits) == 1, hits
     return hits[0]
 
@@ -173,16 +190,21 @@ def test_without_a_base_url_the_message_says_so_instead_of_a_link():
     """Where ``[api] base_url`` is not set (this test process), in both configurations."""
     from airflow.configuration import conf as core_conf
     from airflow.sdk.configuration import conf as sdk_conf
+
     from pin_nightly import alerts, deadlines
 
-    run = {"dag_id": NEWS, "dag_run_id": "scheduled__2026-01-02T00:00:00+00:00",
-           "state": "running", "logical_date": "2026-01-02T00:00:00Z"}
+    run = {
+        "dag_id": NEWS,
+        "dag_run_id": "scheduled__2026-01-02T00:00:00+00:00",
+        "state": "running",
+        "logical_date": "2026-01-02T00:00:00Z",
+    }
     for conf in (core_conf, sdk_conf):
-        msg = deadlines.describe("run_over_budget", {"dag_run": run}, 2700,
-                                 alerts.base_url(conf))
+        msg = deadlines.describe("run_over_budget", {"dag_run": run}, 2700, alerts.base_url(conf))
         assert msg["run_url"] == alerts.NO_BASE_URL
-        assert msg["description"] == ("the run had not finished 45 min after it was queued "
-                                      "(its time budget and a margin)")
+        assert msg["description"] == (
+            "the run had not finished 45 min after it was queued (its time budget and a margin)"
+        )
         assert msg["runbook"] == "README.md#run_over_budget"
     assert "run_over_budget" in readme_anchors()
 
@@ -199,7 +221,8 @@ def test_no_success_deadline_of_a_failed_scheduled_run(stack, scheduled):
     assert stack.task_states(NEWS, run_id)["acquire_lease"] == "failed"
     end = pendulum.parse(stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{run_id}")["end_date"])
     assert end < stack.deadline, (
-        f"the run failed at {end}, after its deadline {stack.deadline}: raise MARGIN")
+        f"the run failed at {end}, after its deadline {stack.deadline}: raise MARGIN"
+    )
 
     msg = deadline_alert(stack, NEWS)
     assert (msg["dag_id"], msg["run_id"], msg["run_state"]) == (NEWS, run_id, "failed")
@@ -238,13 +261,17 @@ def test_drift_alert_only_above_the_runs_threshold(stack):
     db.q("TRUNCATE news.posts, news.comments")
 
     def drift(run_id: str) -> list[dict]:
-        return [r for r in stack.hook.received
-                if r.get("alert") == "drift_above_threshold" and r.get("run_id") == run_id]
+        return [
+            r
+            for r in stack.hook.received
+            if r.get("alert") == "drift_above_threshold" and r.get("run_id") == run_id
+        ]
 
     try:
         db.posts(4, drift_every=1)
-        above = stack.trigger(NEWS, {"scope": "FullSweep", "drift_alert_threshold": 3,
-                                     "max_ranges": 1})
+        above = stack.trigger(
+            NEWS, {"scope": "FullSweep", "drift_alert_threshold": 3, "max_ranges": 1}
+        )
         assert stack.wait_run(NEWS, above, timeout=300) == "success"
         # sent by the summary inside the run: it is there once the run succeeded
         [msg] = drift(above)
@@ -254,8 +281,9 @@ def test_drift_alert_only_above_the_runs_threshold(stack):
         assert_links(stack, msg, NEWS, above, "drift_above_threshold")
 
         db.posts(3, drift_every=1)
-        at = stack.trigger(NEWS, {"scope": "FullSweep", "drift_alert_threshold": 3,
-                                  "max_ranges": 1})
+        at = stack.trigger(
+            NEWS, {"scope": "FullSweep", "drift_alert_threshold": 3, "max_ranges": 1}
+        )
         assert stack.wait_run(NEWS, at, timeout=300) == "success"
         summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", at)
         assert summary["drift_corrected"] == 3

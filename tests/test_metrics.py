@@ -10,12 +10,9 @@ import textwrap
 import threading
 from datetime import date, timedelta
 
-from tools.devenv import REPO
-
 SCRIPT = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    sys.path.insert(0, {repo!r})
     from tools import devenv
     devenv.apply_airflow_env(Path(os.environ["PIN_TEST_HOME"]))
     from tools.rundag import run_dag
@@ -44,14 +41,21 @@ def statsd_packets(script: str) -> list[str]:
 
     t = threading.Thread(target=listen, daemon=True)
     t.start()
-    env = {**os.environ,
-           "AIRFLOW__METRICS__STATSD_ON": "True",
-           "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
-           "AIRFLOW__METRICS__STATSD_PORT": str(sock.getsockname()[1]),
-           "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
-           "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True"}
-    out = subprocess.run([sys.executable, "-c", script.format(repo=str(REPO))], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "AIRFLOW__METRICS__STATSD_ON": "True",
+        "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+        "AIRFLOW__METRICS__STATSD_PORT": str(sock.getsockname()[1]),
+        "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
+        "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script.format()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     stop.set()
     t.join(5)
     sock.close()
@@ -65,29 +69,32 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
     catalog_db.seed_snapshot(card, date.today() - timedelta(days=1), 4)
     packets = statsd_packets(SCRIPT)
     text = "\n".join(packets)
-    for line in ("airflow.news_comment_reconcile_posts_reconciled_total:1|c",
-                 "airflow.news_comment_reconcile_errors_total:0|c",
-                 "airflow.catalog_popularity_recompute_errors_total:0|c",
-                 "airflow.news_comment_reconcile_drift_corrected_total:1|c",
-                 "airflow.news_comment_reconcile_backlog_remaining:0|g",
-                 "airflow.news_comment_reconcile_drift_alert_threshold:1000|g",
-                 "airflow.catalog_popularity_recompute_snapshots_total,op=written:1|c",
-                 "airflow.catalog_popularity_recompute_cards_total,card_kind=PropertyObject:1|c"):
+    for line in (
+        "airflow.news_comment_reconcile_posts_reconciled_total:1|c",
+        "airflow.news_comment_reconcile_errors_total:0|c",
+        "airflow.catalog_popularity_recompute_errors_total:0|c",
+        "airflow.news_comment_reconcile_drift_corrected_total:1|c",
+        "airflow.news_comment_reconcile_backlog_remaining:0|g",
+        "airflow.news_comment_reconcile_drift_alert_threshold:1000|g",
+        "airflow.catalog_popularity_recompute_snapshots_total,op=written:1|c",
+        "airflow.catalog_popularity_recompute_cards_total,card_kind=PropertyObject:1|c",
+    ):
         assert line in text, f"{line} not in {packets[:50]}"
-    for name in ("airflow.news_comment_reconcile_run_duration_ms:",
-                 "airflow.news_comment_reconcile_last_success_timestamp_seconds:",
-                 "airflow.news_comment_reconcile_last_full_sweep_timestamp_seconds:",
-                 "airflow.catalog_popularity_score_staleness_hours:",
-                 "airflow.catalog_popularity_recompute_scored_date_timestamp_seconds:",
-                 "airflow.catalog_popularity_recompute_last_success_timestamp_seconds:",
-                 "airflow.catalog_popularity_recompute_duration_seconds:"):
+    for name in (
+        "airflow.news_comment_reconcile_run_duration_ms:",
+        "airflow.news_comment_reconcile_last_success_timestamp_seconds:",
+        "airflow.news_comment_reconcile_last_full_sweep_timestamp_seconds:",
+        "airflow.catalog_popularity_score_staleness_hours:",
+        "airflow.catalog_popularity_recompute_scored_date_timestamp_seconds:",
+        "airflow.catalog_popularity_recompute_last_success_timestamp_seconds:",
+        "airflow.catalog_popularity_recompute_duration_seconds:",
+    ):
         assert name in text, f"{name} not in {packets[:50]}"
 
 
 FAILURES = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    sys.path.insert(0, {repo!r})
     from tools import devenv
     devenv.apply_airflow_env(Path(os.environ["PIN_TEST_HOME"]))
     from tools.rundag import run_dag
@@ -118,9 +125,11 @@ def test_every_failed_task_counts_and_only_finished_work_is_a_success(news_db, c
     assert "airflow.news_comment_reconcile_errors_total:1|c" in text
     assert "airflow.catalog_popularity_recompute_errors_total:1|c" in text
     assert "airflow.news_comment_reconcile_backlog_remaining:1|g" in text
-    for name in ("news_comment_reconcile_last_success_timestamp_seconds",
-                 "news_comment_reconcile_last_full_sweep_timestamp_seconds",
-                 "catalog_popularity_recompute_last_success_timestamp_seconds"):
+    for name in (
+        "news_comment_reconcile_last_success_timestamp_seconds",
+        "news_comment_reconcile_last_full_sweep_timestamp_seconds",
+        "catalog_popularity_recompute_last_success_timestamp_seconds",
+    ):
         assert f"airflow.{name}:" not in text
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -53,14 +52,17 @@ def test_drift_is_corrected_then_a_second_run_corrects_nothing(news_db):
     assert news_db.post_row(right)[3] == old_updated  # untouched
     pid, status, count, updated = news_db.post_row(drifted)
     assert status == "Published" and updated > old_updated
-    assert news_db.q("SELECT post_id::text, count_from, count_to, dry_run "
-                     "FROM pin_nightly.news_drift") == [(drifted, 5, 3, False)]
+    assert news_db.q(
+        "SELECT post_id::text, count_from, count_to, dry_run FROM pin_nightly.news_drift"
+    ) == [(drifted, 5, 3, False)]
     before = news_db.snapshot()
     s2 = assert_ok(run(FULL))
     assert s2["drift_corrected"] == 0 and s2["posts_reconciled"] == 2
     assert news_db.snapshot() == before
-    log = news_db.q("SELECT status, (result->>'drift_corrected')::int FROM pin_nightly.run_log "
-                    "ORDER BY finished_at")
+    log = news_db.q(
+        "SELECT status, (result->>'drift_corrected')::int FROM pin_nightly.run_log "
+        "ORDER BY finished_at"
+    )
     assert log == [("success", 1), ("success", 0)]
 
 
@@ -88,10 +90,14 @@ def test_archived_posts_are_never_touched(news_db):
 def _open_hot_path_comment(db, pid: str):
     """A hot-path transaction left open: a new visible comment and the counter +1."""
     hot_path = psycopg.connect(db.dsn)
-    hot_path.execute("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                     "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())", (pid,))
-    hot_path.execute("UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s",
-                     (pid,))
+    hot_path.execute(
+        "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+        "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())",
+        (pid,),
+    )
+    hot_path.execute(
+        "UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s", (pid,)
+    )
     return hot_path
 
 
@@ -122,14 +128,16 @@ def test_a_lock_released_before_the_end_of_the_range_is_retried(news_db):
     hot_path = psycopg.connect(news_db.dsn)
     hot_path.execute("SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE", (hot,))
     # release the row lock right after the first batch has skipped it
-    when(lambda: news_db.one("SELECT coalesce(sum(skipped_locked), 0) "
-                             "FROM pin_nightly.sweep_range") > 0,
-         hot_path.commit)
+    when(
+        lambda: (
+            news_db.one("SELECT coalesce(sum(skipped_locked), 0) FROM pin_nightly.sweep_range") > 0
+        ),
+        hot_path.commit,
+    )
     s = assert_ok(run({**FULL, "batch_size": 5}))
     hot_path.close()
     assert news_db.count(hot) == 3
     assert s["posts_skipped_locked"] == 0 and s["posts_reconciled"] == 31
-
 
 
 @pytest.mark.parametrize("scope", ["FullSweep", "DailyWindow"])
@@ -137,7 +145,7 @@ def test_a_correct_post_held_by_the_hot_path_is_verified_without_its_lock(news_d
     """Only posts whose counter looks wrong are locked: a correct post that the hot path is
     writing right now (comment and counter in one open transaction) is verified from the
     committed state, neither skipped nor written, and the hot path's change lands intact."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     busy = news_db.post(count=4, visible=4, comments_at=now - timedelta(hours=1))
     drifted = news_db.post(count=9, visible=2, comments_at=now - timedelta(hours=1))
     before = news_db.post_row(busy)
@@ -154,12 +162,14 @@ def test_a_correct_post_held_by_the_hot_path_is_verified_without_its_lock(news_d
     assert news_db.q("SELECT post_id::text FROM pin_nightly.news_drift") == [(drifted,)]
     assert news_db.q("SELECT count(*) FROM pin_nightly.news_skipped_post") == [(0,)]
 
+
 def test_max_run_duration_interrupts_and_the_next_run_resumes_from_the_cursor(news_db):
     ids = news_db.posts(120, drift_every=3)
     # end the run's time budget once a few batches have committed (as if 20 minutes passed)
-    when(lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
-         >= 3,
-         lambda: news_db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()"))
+    when(
+        lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range") >= 3,
+        lambda: news_db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()"),
+    )
     s1 = assert_ok(run({**FULL, "batch_size": 2, "max_ranges": 1}))
     assert s1["backlog_remaining"] is True and s1["status"] == "backlog_remaining"
     done = s1["posts_reconciled"]
@@ -181,10 +191,12 @@ def test_max_run_duration_interrupts_and_the_next_run_resumes_from_the_cursor(ne
 def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd, caplog):
     drifted = news_db.post(count=5, visible=3)
     assert_ok(run({"post_ids": [drifted], "dry_run": True}))  # creates the job's tables
-    news_db.q("INSERT INTO pin_nightly.job_lease (lock_key, holder, token, ttl, acquired_at, "
-              "expires_at, run_deadline_at) VALUES ('Pin:lock:job:scheduled:news-comment-"
-              "reconcile', 'other-deployment/run-1', 999, '30 min', now(), "
-              "now() + interval '10 min', now() + interval '5 min')")
+    news_db.q(
+        "INSERT INTO pin_nightly.job_lease (lock_key, holder, token, ttl, acquired_at, "
+        "expires_at, run_deadline_at) VALUES ('Pin:lock:job:scheduled:news-comment-"
+        "reconcile', 'other-deployment/run-1', 999, '30 min', now(), "
+        "now() + interval '10 min', now() + interval '5 min')"
+    )
     capfd.readouterr()
     r = run(FULL)
     out = capfd.readouterr()
@@ -204,15 +216,17 @@ def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd, caplog)
 def test_cancellation_between_batches_keeps_what_was_committed(news_db):
     ids = news_db.posts(80, drift_every=1)
     # SIGTERM (the host stopping the task) once two batches are committed
-    when(lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
-         >= 2,
-         lambda: os.kill(os.getpid(), signal.SIGTERM))
+    when(
+        lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range") >= 2,
+        lambda: os.kill(os.getpid(), signal.SIGTERM),
+    )
     r = run({**FULL, "batch_size": 4, "max_ranges": 1})
     assert r["state"] == "failed"
     assert r["tasks"]["reconcile_range[0]"] == "failed"
     assert r["tasks"]["release_lease"] == "success"  # the teardown still released the lease
     cursor, batches, processed = news_db.q(
-        "SELECT cursor_id::text, batches, rows_processed FROM pin_nightly.sweep_range")[0]
+        "SELECT cursor_id::text, batches, rows_processed FROM pin_nightly.sweep_range"
+    )[0]
     assert batches >= 2 and processed == batches * 4
     fixed = [p for p in ids if news_db.count(p) == 2]
     assert fixed == [p for p in ids if p <= cursor]  # whole batches, up to the cursor
@@ -245,13 +259,17 @@ def test_post_ids_repairs_only_those_posts(news_db):
 
 
 def _comment_change(db, pid: str, at: datetime) -> None:
-    db.q("UPDATE news.comments SET status = 'HiddenByModerator', updated_at = %s "
-         "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s AND status = 'Visible' "
-         "LIMIT 1)", at, pid)
+    db.q(
+        "UPDATE news.comments SET status = 'HiddenByModerator', updated_at = %s "
+        "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s AND status = 'Visible' "
+        "LIMIT 1)",
+        at,
+        pid,
+    )
 
 
 def test_daily_window_sees_recent_activity_only(news_db):
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     active = news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
     quiet = news_db.post(count=9, visible=3, comments_at=now - timedelta(days=30))
     _comment_change(news_db, active, now - timedelta(hours=2))  # hidden, counter not decremented
@@ -262,9 +280,10 @@ def test_daily_window_sees_recent_activity_only(news_db):
 
 
 def test_window_candidates_are_kept_until_their_sweep_is_finished(news_db):
-    now = datetime.now(timezone.utc)
-    ids = [news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
-           for _ in range(12)]
+    now = datetime.now(UTC)
+    ids = [
+        news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30)) for _ in range(12)
+    ]
     for pid in ids:
         _comment_change(news_db, pid, now - timedelta(hours=1))
     candidates = "SELECT count(*) FROM pin_nightly.news_window_candidate"
@@ -288,13 +307,15 @@ def test_window_candidates_are_kept_until_their_sweep_is_finished(news_db):
 
 
 def test_a_missed_night_is_caught_by_the_next_window_run(news_db):
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     p1 = news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
     p2 = news_db.post(count=3, visible=3, comments_at=now - timedelta(days=30))
     assert_ok(run({"scope": "DailyWindow"}))
     # the last completed sweep was three nights ago; two nights were missed
-    news_db.q("UPDATE pin_nightly.sweep SET started_at = now() - interval '74 hours', "
-              "completed_at = now() - interval '73 hours'")
+    news_db.q(
+        "UPDATE pin_nightly.sweep SET started_at = now() - interval '74 hours', "
+        "completed_at = now() - interval '73 hours'"
+    )
     _comment_change(news_db, p1, now - timedelta(hours=50))  # older than the 26 h look-back
     _comment_change(news_db, p2, now - timedelta(hours=80))  # before the last sweep: covered
     s = assert_ok(run({"scope": "DailyWindow"}))
@@ -304,12 +325,12 @@ def test_a_missed_night_is_caught_by_the_next_window_run(news_db):
 
 
 def test_auto_scope_is_full_sweep_on_sunday_nights_in_moscow(news_db):
-    quiet = news_db.post(count=9, visible=3, comments_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    quiet = news_db.post(count=9, visible=3, comments_at=datetime(2026, 1, 1, tzinfo=UTC))
     # Saturday 2026-11-28 03:00 MSK = 00:00 UTC: a window night
-    s = assert_ok(run({}, logical_date=datetime(2026, 11, 28, 0, 0, tzinfo=timezone.utc)))
+    s = assert_ok(run({}, logical_date=datetime(2026, 11, 28, 0, 0, tzinfo=UTC)))
     assert s["scope"] == "DailyWindow" and news_db.count(quiet) == 9
     # Sunday 2026-11-29 03:00 MSK = Sunday 00:00 UTC: the weekly full sweep
-    s = assert_ok(run({}, logical_date=datetime(2026, 11, 29, 0, 0, tzinfo=timezone.utc)))
+    s = assert_ok(run({}, logical_date=datetime(2026, 11, 29, 0, 0, tzinfo=UTC)))
     assert s["scope"] == "FullSweep" and news_db.count(quiet) == 3
 
 
@@ -317,12 +338,16 @@ def test_clearing_a_failed_range_resumes_it_from_its_cursor(news_db):
     ids = news_db.posts(60, drift_every=1)
     poison = ids[45]
     # an infrastructure failure on one post of the last range
-    news_db.q("CREATE FUNCTION pg_temp_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-              f"IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-              "RETURN NEW; END $$".replace("pg_temp_fail", "public.fail_one"))
-    news_db.q("CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
-              "EXECUTE FUNCTION public.fail_one()")
-    logical = datetime(2026, 11, 25, 9, 0, tzinfo=timezone.utc)
+    news_db.q(
+        "CREATE FUNCTION pg_temp_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        f"IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+        "RETURN NEW; END $$".replace("pg_temp_fail", "public.fail_one")
+    )
+    news_db.q(
+        "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+        "EXECUTE FUNCTION public.fail_one()"
+    )
+    logical = datetime(2026, 11, 25, 9, 0, tzinfo=UTC)
     conf = {**FULL, "batch_size": 5, "max_ranges": 3}
     r = run(conf, logical_date=logical, run_after=logical)
     assert r["state"] == "failed"
@@ -334,8 +359,9 @@ def test_clearing_a_failed_range_resumes_it_from_its_cursor(news_db):
     # clear and re-run the same run: done ranges return at once, the failed one resumes
     r2 = run(conf, logical_date=logical, run_after=logical)
     assert r2["state"] == "success" and r2["run_id"] == r["run_id"]
-    rows = news_db.q("SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
-                     "ORDER BY range_no")
+    rows = news_db.q(
+        "SELECT range_no, rows_processed FROM pin_nightly.sweep_range ORDER BY range_no"
+    )
     assert [n for _, n in rows] == [20, 20, 20]  # no post read twice across the two attempts
     assert news_db.drifted_posts() == 0
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 60
@@ -355,8 +381,10 @@ BAD_SCHEMA_CONF = [
     ({"dry_run": "yes"}, "dry_run"),
     ({"max_ranges": 0}, "max_ranges"),
     ({"window_lookback_hours": 10**9}, "window_lookback_hours"),
-    ({"max_run_duration_minutes": 10**9, "lock_ttl_minutes": 2 * 10**9},
-     "max_run_duration_minutes"),
+    (
+        {"max_run_duration_minutes": 10**9, "lock_ttl_minutes": 2 * 10**9},
+        "max_run_duration_minutes",
+    ),
 ]
 
 
@@ -374,12 +402,15 @@ def test_invalid_conf_creates_no_run(news_db, conf, param):
         assert session.query(DagRun).filter(DagRun.dag_id == DAG).count() == before
 
 
-@pytest.mark.parametrize("conf,message", [
-    ({"lock_ttl_minutes": 10, "max_run_duration_minutes": 20}, "lock_ttl_minutes"),
-    ({"lock_ttl_minutes": 20, "max_run_duration_minutes": 20}, "must exceed"),
-    ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
-    ({"scope": "FullSweep", "post_ids": ["0190a000-0000-7000-8000-000000000000"]}, "post_ids"),
-])
+@pytest.mark.parametrize(
+    "conf,message",
+    [
+        ({"lock_ttl_minutes": 10, "max_run_duration_minutes": 20}, "lock_ttl_minutes"),
+        ({"lock_ttl_minutes": 20, "max_run_duration_minutes": 20}, "must exceed"),
+        ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
+        ({"scope": "FullSweep", "post_ids": ["0190a000-0000-7000-8000-000000000000"]}, "post_ids"),
+    ],
+)
 def test_inconsistent_options_fail_before_any_write(news_db, conf, message, capfd, caplog):
     drifted = news_db.post(count=5, visible=3)
     r = run(conf)

@@ -90,10 +90,15 @@ def _span_dict(sp) -> dict:
         kind = v.WhichOneof("value")
         return getattr(v, kind) if kind else None
 
-    return {"name": sp.name, "trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(),
-            "parent": sp.parent_span_id.hex(), "status": sp.status.code,
-            "events": [e.name for e in sp.events],
-            "attributes": {a.key: value(a.value) for a in sp.attributes}}
+    return {
+        "name": sp.name,
+        "trace_id": sp.trace_id.hex(),
+        "span_id": sp.span_id.hex(),
+        "parent": sp.parent_span_id.hex(),
+        "status": sp.status.code,
+        "events": [e.name for e in sp.events],
+        "attributes": {a.key: value(a.value) for a in sp.attributes},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,24 +112,30 @@ def stack(pg_admin):
     create_catalog_schema(catalog_dsn)
     hook = Webhook()
     otlp = OtlpReceiver()
-    env = stack_env(home, devenv.recreate_database(f"pin_e2e_airflow{SUFFIX}"), free_port(), {
-        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
-        "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
-            {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        # every news run misses its run budget: proves the deadline path end to end
-        "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
-        # a worker lost without a word is failed after 30 s instead of 5 minutes
-        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
-        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
-        # Airflow's tracing on, exported over OTLP/HTTP to the receiver above
-        "AIRFLOW__TRACES__OTEL_ON": "True",
-        "OTEL_TRACES_EXPORTER": "otlp_proto_http",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
-        "OTEL_SERVICE_NAME": "airflow",
-        "OTEL_BSP_SCHEDULE_DELAY": "500",
-    })
+    env = stack_env(
+        home,
+        devenv.recreate_database(f"pin_e2e_airflow{SUFFIX}"),
+        free_port(),
+        {
+            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+            "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
+                {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}
+            ),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            # every news run misses its run budget: proves the deadline path end to end
+            "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
+            # a worker lost without a word is failed after 30 s instead of 5 minutes
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+            # Airflow's tracing on, exported over OTLP/HTTP to the receiver above
+            "AIRFLOW__TRACES__OTEL_ON": "True",
+            "OTEL_TRACES_EXPORTER": "otlp_proto_http",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
+            "OTEL_SERVICE_NAME": "airflow",
+            "OTEL_BSP_SCHEDULE_DELAY": "500",
+        },
+    )
     s = Stack(home, env).start()
     try:
         s.wait_for_dags([NEWS, CATALOG])
@@ -149,8 +160,7 @@ def test_both_dags_run_through_the_scheduler(stack):
     assert stack.wait_run(CATALOG, catalog_run) == "success"
     assert stack.news.count(drifted) == 3
     assert stack.catalog.score(card) == Decimal(30)
-    summary = stack.news.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s",
-                             news_run)
+    summary = stack.news.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", news_run)
     assert summary["drift_corrected"] == 1
 
 
@@ -162,17 +172,23 @@ def test_invalid_conf_is_rejected_by_the_rest_api(stack):
 
 
 def test_a_deadline_miss_reaches_the_webhook(stack):
-    hits = stack.hook.wait_for(lambda r: r.get("alert") == "deadline_missed"
-                               and r.get("deadline_alert") == "run_over_budget"
-                               and r.get("dag_id") == NEWS)
+    hits = stack.hook.wait_for(
+        lambda r: (
+            r.get("alert") == "deadline_missed"
+            and r.get("deadline_alert") == "run_over_budget"
+            and r.get("dag_id") == NEWS
+        )
+    )
     assert hits[0]["run_id"] and hits[0]["run_state"] in ("running", "success", "queued")
     assert "deadline" in hits[0]
 
 
 def test_a_run_waits_while_its_pool_is_full(stack):
     set_slots = lambda n: stack.request(  # noqa: E731
-        "PATCH", f"/api/v2/pools/{CATALOG}?update_mask=slots",
-        {"pool": CATALOG, "slots": n, "include_deferred": False})
+        "PATCH",
+        f"/api/v2/pools/{CATALOG}?update_mask=slots",
+        {"pool": CATALOG, "slots": n, "include_deferred": False},
+    )
     set_slots(0)
     try:
         run_id = stack.trigger(CATALOG)
@@ -190,27 +206,44 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(60, drift_every=1)
     poison = ids[45]
-    db.q("CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
-         f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-         "RETURN NEW; END $$")
-    db.q("CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
-         "EXECUTE FUNCTION public.fail_one()")
+    db.q(
+        "CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+        "RETURN NEW; END $$"
+    )
+    db.q(
+        "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+        "EXECUTE FUNCTION public.fail_one()"
+    )
     run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
     assert stack.wait_run(NEWS, run_id) == "failed"
     states = stack.task_states(NEWS, run_id)
     assert states["reconcile_range[2]"] == "failed"
     assert states["reconcile_range[0]"] == states["reconcile_range[1]"] == "success"
     sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
-    cursor = db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range "
-                    "WHERE sweep_id = %s AND range_no = 2", sweep)
+    cursor = db.one(
+        "SELECT cursor_id::text FROM pin_nightly.sweep_range WHERE sweep_id = %s AND range_no = 2",
+        sweep,
+    )
     assert ids[40] <= cursor < poison
     db.q("DROP TRIGGER fail_one ON news.posts")
-    stack.request("POST", f"/api/v2/dags/{NEWS}/clearTaskInstances", {
-        "dry_run": False, "only_failed": False, "dag_run_id": run_id,
-        "task_ids": [["reconcile_range", 2]], "include_downstream": True})
+    stack.request(
+        "POST",
+        f"/api/v2/dags/{NEWS}/clearTaskInstances",
+        {
+            "dry_run": False,
+            "only_failed": False,
+            "dag_run_id": run_id,
+            "task_ids": [["reconcile_range", 2]],
+            "include_downstream": True,
+        },
+    )
     assert stack.wait_run(NEWS, run_id) == "success"
-    rows = db.q("SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
-                "WHERE sweep_id = %s ORDER BY range_no", sweep)
+    rows = db.q(
+        "SELECT range_no, rows_processed FROM pin_nightly.sweep_range "
+        "WHERE sweep_id = %s ORDER BY range_no",
+        sweep,
+    )
     assert [n for _, n in rows] == [20, 20, 20]  # the range resumed; nothing was read twice
     assert db.drifted_posts() == 0
     assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
@@ -220,11 +253,19 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
 def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) -> None:
     """The run's trace: Airflow's dag_run span, its task spans, and under each range task's
     span the job's range span with its batch spans; the failure is recorded on its spans."""
+
     def of_run():
-        ranges = [s for s in stack.otlp.spans if s["name"] == "range"
-                  and s["attributes"].get("pin.job_run_id") == run_id]
-        runs = [s for s in stack.otlp.spans if s["name"] == f"dag_run.{NEWS}"
-                and s["attributes"].get("airflow.dag_run.run_id") == run_id]
+        ranges = [
+            s
+            for s in stack.otlp.spans
+            if s["name"] == "range" and s["attributes"].get("pin.job_run_id") == run_id
+        ]
+        runs = [
+            s
+            for s in stack.otlp.spans
+            if s["name"] == f"dag_run.{NEWS}"
+            and s["attributes"].get("airflow.dag_run.run_id") == run_id
+        ]
         return (ranges, runs) if len(ranges) == 4 and len(runs) == 2 else None
 
     ranges, runs = helpers.wait_for(of_run, timeout=60, what="the run's spans")
@@ -241,11 +282,16 @@ def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) 
         assert parent["attributes"]["airflow.dag_run.run_id"] == run_id
         a = rng["attributes"]
         assert (a["pin.job"], a["pin.sweep_id"], a["pin.scope"], a["pin.batch_size"]) == (
-            NEWS, sweep, "FullSweep", 5)
+            NEWS,
+            sweep,
+            "FullSweep",
+            5,
+        )
         assert a["pin.range"].startswith(f"FullSweep#{no} (")
     batches = lambda rng: sorted(  # noqa: E731
         (s for s in spans if s["parent"] == rng["span_id"] and s["name"] == "batch"),
-        key=lambda s: s["attributes"].get("pin.batch.after_id", ""))
+        key=lambda s: s["attributes"].get("pin.batch.after_id", ""),
+    )
     failed = [r for r in ranges if r["status"] == 2]  # STATUS_CODE_ERROR
     assert len(failed) == 1 and failed[0]["attributes"]["pin.range_no"] == 2
     last = batches(failed[0])[-1]
@@ -262,8 +308,9 @@ def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) 
     assert batches(failed[0])[0]["attributes"]["pin.batch.after_id"] == ids[39]
     # the cleared range starts after its last committed batch
     assert batches(resumed[0])[0]["attributes"]["pin.batch.after_id"] == ids[44]
-    done = [b["attributes"] for r in ranges for b in batches(r) if "pin.batch.rows" in
-            b["attributes"]]
+    done = [
+        b["attributes"] for r in ranges for b in batches(r) if "pin.batch.rows" in b["attributes"]
+    ]
     assert sum(b["pin.batch.rows"] for b in done) == 60  # each post read once
     assert sum(b["pin.batch.updated_count"] for b in done) == 60
     assert all(b["pin.batch.cursor"] for b in done if b["pin.batch.rows"])
@@ -287,14 +334,21 @@ def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
     gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
     try:
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 4, "max_ranges": 2})
-        helpers.wait_for(lambda: helpers.gate_waiter(db), timeout=120,
-                         what="a batch held at the gate")
+        helpers.wait_for(
+            lambda: helpers.gate_waiter(db), timeout=120, what="a batch held at the gate"
+        )
         tis = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{run_id}/taskInstances?limit=100")
-        running = [t["id"] for t in tis["task_instances"]
-                   if t["task_id"] == "reconcile_range" and t["state"] == "running"]
+        running = [
+            t["id"]
+            for t in tis["task_instances"]
+            if t["task_id"] == "reconcile_range" and t["state"] == "running"
+        ]
         assert len(running) == 1, tis
-        victims = [p for p in psutil.process_iter(["cmdline"])
-                   if any(running[0] in part for part in (p.info["cmdline"] or []))]
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if any(running[0] in part for part in (p.info["cmdline"] or []))
+        ]
         assert victims, f"no task process titled with {running[0]}"
         for p in victims:
             os.kill(p.pid, signal.SIGKILL)
@@ -304,13 +358,18 @@ def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
         helpers.remove_gate(db, "news.posts")
     assert stack.wait_run(NEWS, run_id) == "failed"
     assert db.drifted_posts() > 0
-    stack.request("POST", f"/api/v2/dags/{NEWS}/clearTaskInstances", {
-        "dry_run": False, "only_failed": True, "dag_run_id": run_id})
+    stack.request(
+        "POST",
+        f"/api/v2/dags/{NEWS}/clearTaskInstances",
+        {"dry_run": False, "only_failed": True, "dag_run_id": run_id},
+    )
     assert stack.wait_run(NEWS, run_id) == "success"
     assert db.drifted_posts() == 0
     sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
-    assert db.q("SELECT count(*), count(DISTINCT post_id) FROM pin_nightly.news_drift "
-                "WHERE sweep_id = %s", sweep) == [(40, 40)]
+    assert db.q(
+        "SELECT count(*), count(DISTINCT post_id) FROM pin_nightly.news_drift WHERE sweep_id = %s",
+        sweep,
+    ) == [(40, 40)]
     assert db.q("SELECT status FROM pin_nightly.sweep WHERE sweep_id = %s", sweep) == [("done",)]
     assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
     summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 
 import pytest
 
@@ -44,6 +44,7 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
     state = {"fired": False}
 
     if how == "mid_batch":  # target is a make_batch
+
         @functools.wraps(real)
         def make_batch(*args, **kwargs):
             batch = real(*args, **kwargs)
@@ -58,7 +59,9 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
                     state["fired"] = True
                     raise InjectedFault(f"{target}: worker lost in the middle of a batch")
                 return out
+
             return failing
+
         monkeypatch.setattr(module, attr, make_batch)
         return state
 
@@ -77,21 +80,25 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
 
 
 def failed_tasks(r: dict) -> list:
-    return [(k.split("[")[0], int(k.split("[")[1][:-1])) if "[" in k else k
-            for k, v in r["tasks"].items() if v in ("failed", "upstream_failed")]
+    return [
+        (k.split("[")[0], int(k.split("[")[1][:-1])) if "[" in k else k
+        for k, v in r["tasks"].items()
+        if v in ("failed", "upstream_failed")
+    ]
 
 
-def recover(dag_id: str, how: str, failed: dict, conf: dict, later: datetime,
-            manual: dict) -> dict:
+def recover(dag_id: str, how: str, failed: dict, conf: dict, later: datetime, manual: dict) -> dict:
     """The recovery ``how`` after the failed run ``failed`` (see RECOVERIES)."""
     if how == "clear_failed":  # the run's "Clear" with "only failed"
         return clear_and_resume(dag_id, failed["run_id"], only_failed=True)
     if how == "clear_task":  # "Clear" on the failed task instances, with downstream
-        return clear_and_resume(dag_id, failed["run_id"], task_ids=failed_tasks(failed),
-                                only_failed=False)
+        return clear_and_resume(
+            dag_id, failed["run_id"], task_ids=failed_tasks(failed), only_failed=False
+        )
     if how == "clear_run":  # "Clear" on the whole run
-        return run_dag(dag_id, conf, logical_date=failed["logical_date"],
-                       run_after=failed["logical_date"])
+        return run_dag(
+            dag_id, conf, logical_date=failed["logical_date"], run_after=failed["logical_date"]
+        )
     if how == "next_night":
         return run_dag(dag_id, {}, logical_date=later, run_after=later)
     return run_dag(dag_id, manual[how])
@@ -102,8 +109,12 @@ def state_invariants(db, r: dict, expect_open: bool) -> None:
     sweep left for the next run exactly when ``expect_open``, and the result and run log say
     so (``status`` is ``success`` only when nothing is left)."""
     assert db.q("SELECT holder FROM pin_nightly.job_lease") == []
-    assert db.q("SELECT sweep_id, scope FROM pin_nightly.sweep "
-                "WHERE status = 'open' AND NOT resumable") == []
+    assert (
+        db.q(
+            "SELECT sweep_id, scope FROM pin_nightly.sweep WHERE status = 'open' AND NOT resumable"
+        )
+        == []
+    )
     open_sweeps = db.q("SELECT scope FROM pin_nightly.sweep WHERE status = 'open' AND resumable")
     assert bool(open_sweeps) is expect_open, open_sweeps
     s = r["summary"]
@@ -114,8 +125,16 @@ def state_invariants(db, r: dict, expect_open: bool) -> None:
     assert logged["backlog_remaining"] is expect_open
 
 
-def fail_once(monkeypatch, dag_id: str, point: str, target: str, how: str, kind: str | None,
-              conf: dict, logical) -> dict:
+def fail_once(
+    monkeypatch,
+    dag_id: str,
+    point: str,
+    target: str,
+    how: str,
+    kind: str | None,
+    conf: dict,
+    logical,
+) -> dict:
     """Run the DAG with ``target`` failing once (see inject); the run failed (a teardown's
     failure does not fail the run: then the teardown failed)."""
     fired = inject(monkeypatch, target, how, kind)
@@ -129,26 +148,37 @@ def fail_once(monkeypatch, dag_id: str, point: str, target: str, how: str, kind:
     return failed
 
 
-RECOVERIES = ["clear_failed", "clear_task", "clear_run", "next_night", "dry_run", "targeted",
-              "other_window"]
+RECOVERIES = [
+    "clear_failed",
+    "clear_task",
+    "clear_run",
+    "next_night",
+    "dry_run",
+    "targeted",
+    "other_window",
+]
 
 
 # ====================================================================== defects, one by one
 
+
 def _hide_one_comment(db, pid: str) -> None:
     """A moderator hides a visible comment now and the counter is not decremented (drift +1
     with fresh comment activity: a DailyWindow sees it)."""
-    db.q("UPDATE news.comments SET status = 'HiddenByModerator', updated_at = now() "
-         "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s AND status = 'Visible' "
-         "LIMIT 1)", pid)
+    db.q(
+        "UPDATE news.comments SET status = 'HiddenByModerator', updated_at = now() "
+        "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s AND status = 'Visible' "
+        "LIMIT 1)",
+        pid,
+    )
 
 
 @pytest.mark.parametrize("scope", ["FullSweep", "DailyWindow"])
-def test_news_a_sweep_whose_summary_never_ran_does_not_park_later_drift(news_db, monkeypatch,
-                                                                       scope):
-    now = datetime.now(timezone.utc)
-    ids = [news_db.post(count=4, visible=4, comments_at=now - timedelta(hours=3))
-           for _ in range(6)]
+def test_news_a_sweep_whose_summary_never_ran_does_not_park_later_drift(
+    news_db, monkeypatch, scope
+):
+    now = datetime.now(UTC)
+    ids = [news_db.post(count=4, visible=4, comments_at=now - timedelta(hours=3)) for _ in range(6)]
     conf = {"scope": scope, "batch_size": 2}
     assert run_dag(NEWS, conf)["summary"]["status"] == "success"
     _hide_one_comment(news_db, ids[0])
@@ -164,17 +194,20 @@ def test_news_a_sweep_whose_summary_never_ran_does_not_park_later_drift(news_db,
         assert s["status"] == "success" and s["backlog_remaining"] is False, s
         assert news_db.drifted_posts() == 0
     assert news_db.q("SELECT count(*) FROM pin_nightly.sweep WHERE status = 'open'") == [(0,)]
-    assert sorted(r[0] for r in news_db.q("SELECT post_id::text FROM pin_nightly.news_drift")) \
-        == sorted(ids[:3])
+    assert sorted(
+        r[0] for r in news_db.q("SELECT post_id::text FROM pin_nightly.news_drift")
+    ) == sorted(ids[:3])
 
 
 def test_news_a_full_sweep_stopped_by_its_budget_is_resumed_by_the_next_daily_window(news_db):
     from tests.helpers import when
 
-    ids = news_db.posts(60, drift_every=3)  # quiet drift: only a FullSweep reaches it
+    news_db.posts(60, drift_every=3)  # quiet drift: only a FullSweep reaches it
     conf = {"batch_size": 2, "max_ranges": 1}
-    when(lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range")
-         >= 3, lambda: news_db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()"))
+    when(
+        lambda: news_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range") >= 3,
+        lambda: news_db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()"),
+    )
     s1 = run_dag(NEWS, {**conf, "scope": "FullSweep"})["summary"]
     assert s1["status"] == "backlog_remaining" and 0 < s1["posts_reconciled"] < 60
     # a DailyWindow night whose budget is over at once: the FullSweep is still owed, and the
@@ -183,16 +216,19 @@ def test_news_a_full_sweep_stopped_by_its_budget_is_resumed_by_the_next_daily_wi
     s2 = r2["summary"]
     assert s2["backlog_remaining"] is True and s2["status"] == "backlog_remaining"
     assert any(u.startswith("FullSweep") for u in s2["unfinished_sweeps"]), s2
-    assert news_db.one("SELECT status FROM pin_nightly.run_log WHERE run_id = %s",
-                       r2["run_id"]) == "backlog_remaining"
+    assert (
+        news_db.one("SELECT status FROM pin_nightly.run_log WHERE run_id = %s", r2["run_id"])
+        == "backlog_remaining"
+    )
     # the next DailyWindow night finishes the FullSweep from its cursor
     s3 = run_dag(NEWS, {**conf, "scope": "DailyWindow"})["summary"]
     assert s3["status"] == "success" and s3["backlog_remaining"] is False, s3
     assert news_db.drifted_posts() == 0
     assert s1["posts_reconciled"] + s3["posts_reconciled"] == 60  # nothing read twice
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 20
-    assert news_db.q("SELECT scope, status FROM pin_nightly.sweep WHERE scope = 'FullSweep'") \
-        == [("FullSweep", "done")]
+    assert news_db.q("SELECT scope, status FROM pin_nightly.sweep WHERE scope = 'FullSweep'") == [
+        ("FullSweep", "done")
+    ]
 
 
 def test_news_skipped_posts_are_forgotten_once_a_completed_sweep_covered_them(news_db):
@@ -203,9 +239,11 @@ def test_news_skipped_posts_are_forgotten_once_a_completed_sweep_covered_them(ne
     still_locked = news_db.post(count=5, visible=2)
     news_db.q("CREATE SCHEMA IF NOT EXISTS pin_nightly")
     run_dag(NEWS, {"post_ids": [fixed_outside], "dry_run": True})  # creates the job's tables
-    news_db.q("INSERT INTO pin_nightly.news_skipped_post (post_id, skipped_at) "
-              "SELECT unnest(%s::uuid[]), now() - interval '1 day'",
-              [archived, fixed_outside, still_locked])
+    news_db.q(
+        "INSERT INTO pin_nightly.news_skipped_post (post_id, skipped_at) "
+        "SELECT unnest(%s::uuid[]), now() - interval '1 day'",
+        [archived, fixed_outside, still_locked],
+    )
     hot_path = psycopg.connect(news_db.dsn)
     hot_path.execute("SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE", (still_locked,))
     try:
@@ -214,8 +252,7 @@ def test_news_skipped_posts_are_forgotten_once_a_completed_sweep_covered_them(ne
         hot_path.rollback()
         hot_path.close()
     assert s["status"] == "success" and s["posts_skipped_locked"] == 1
-    assert news_db.q("SELECT post_id::text FROM pin_nightly.news_skipped_post") == \
-        [(still_locked,)]
+    assert news_db.q("SELECT post_id::text FROM pin_nightly.news_skipped_post") == [(still_locked,)]
     run_dag(NEWS, {"scope": "DailyWindow"})
     assert news_db.q("SELECT count(*) FROM pin_nightly.news_skipped_post") == [(0,)]
     assert news_db.count(still_locked) == 2 and news_db.count(archived) == 5
@@ -243,37 +280,42 @@ def test_catalog_a_manual_run_with_a_small_window_keeps_the_nightly_history(cata
     assert s["snapshots_pruned"] == 40 - (W + 2)
     catalog_db.set_views(card, 1050)
     nxt = D + timedelta(days=1)
-    assert run_dag(CATALOG, {}, logical_date=night(nxt), run_after=night(nxt))["state"] == \
-        "success"
+    assert run_dag(CATALOG, {}, logical_date=night(nxt), run_after=night(nxt))["state"] == "success"
     full = {**history, D: 1000, nxt: 1050}
     assert catalog_db.score(card) == reference_popularity_score(full, nxt, W, H)
 
 
 # ================================================================================== news
 
+
 def news_offsets(db) -> dict[str, int]:
-    return dict(db.q(
-        "SELECT p.id::text, p.comments_count - (SELECT count(*) FROM news.comments c "
-        "WHERE c.post_id = p.id AND c.status = 'Visible') FROM news.posts p"))
+    return dict(
+        db.q(
+            "SELECT p.id::text, p.comments_count - (SELECT count(*) FROM news.comments c "
+            "WHERE c.post_id = p.id AND c.status = 'Visible') FROM news.posts p"
+        )
+    )
 
 
-def news_invariants(db, r: dict, expect_fixed: set[str], drift: dict[str, int],
-                    expect_open: bool) -> None:
+def news_invariants(
+    db, r: dict, expect_fixed: set[str], drift: dict[str, int], expect_open: bool
+) -> None:
     """The database after a recovery run ``r``; ``expect_open``: a sweep must be left for the
     next run (and the result must say so), else no sweep may be open at all."""
     offsets = news_offsets(db)
     want = {p: (0 if p in expect_fixed else drift.get(p, 0)) for p in offsets}
     assert offsets == want, {p: (offsets[p], want[p]) for p in offsets if offsets[p] != want[p]}
-    corrections = db.q("SELECT post_id::text, count_from - count_to FROM pin_nightly.news_drift "
-                       "WHERE NOT dry_run")
+    corrections = db.q(
+        "SELECT post_id::text, count_from - count_to FROM pin_nightly.news_drift WHERE NOT dry_run"
+    )
     assert len(corrections) == len({p for p, _ in corrections}), "a post corrected twice"
     assert dict(corrections) == {p: drift[p] for p in expect_fixed}
     state_invariants(db, r, expect_open)
 
 
 NEWS_CONF = {"scope": "FullSweep", "batch_size": 4, "max_ranges": 2}
-SATURDAY = datetime(2026, 11, 28, 0, 0, tzinfo=timezone.utc)  # 03:00 Moscow
-MONDAY = datetime(2026, 11, 30, 0, 0, tzinfo=timezone.utc)  # auto = DailyWindow
+SATURDAY = datetime(2026, 11, 28, 0, 0, tzinfo=UTC)  # 03:00 Moscow
+MONDAY = datetime(2026, 11, 30, 0, 0, tzinfo=UTC)  # auto = DailyWindow
 
 NEWS_POINTS = {
     "validate_options": ("pin_nightly.news.validate_options", "before"),
@@ -285,8 +327,13 @@ NEWS_POINTS = {
     "release_lease": ("pin_nightly.jobs.release_lease", "before"),
 }
 # failures after which the failed run's FullSweep exists (the next run of any scope resumes it)
-NEWS_SWEEP_OPENED = {"plan_ranges", "range_mid_batch", "range_before_return", "summarize",
-                     "release_lease"}
+NEWS_SWEEP_OPENED = {
+    "plan_ranges",
+    "range_mid_batch",
+    "range_before_return",
+    "summarize",
+    "release_lease",
+}
 # ... and has ranges left undone (a run that does only its own work leaves it open)
 NEWS_SWEEP_UNFINISHED = {"plan_ranges", "range_mid_batch"}
 
@@ -294,10 +341,11 @@ NEWS_SWEEP_UNFINISHED = {"plan_ranges", "range_mid_batch"}
 def news_data(db):
     """24 quiet posts, every third drifted (only a FullSweep reaches them), and 3 drifted
     posts with comment activity two hours ago (a DailyWindow reaches them too)."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     quiet = db.posts(24, drift_every=3)
-    recent = [db.post(count=4 + i, visible=2, comments_at=now - timedelta(hours=2))
-              for i in range(3)]
+    recent = [
+        db.post(count=4 + i, visible=2, comments_at=now - timedelta(hours=2)) for i in range(3)
+    ]
     drift = {p: o for p, o in news_offsets(db).items() if o}
     assert len(drift) == 11
     return quiet, recent, drift
@@ -309,9 +357,11 @@ def test_news_fault_matrix(news_db, monkeypatch, point, recovery):
     quiet, recent, drift = news_data(news_db)
     failed = fail_once(monkeypatch, NEWS, point, *NEWS_POINTS[point], None, NEWS_CONF, SATURDAY)
     targets = sorted(drift)[:2]
-    manual = {"dry_run": {"scope": "FullSweep", "dry_run": True},
-              "targeted": {"post_ids": targets},
-              "other_window": {"scope": "DailyWindow"}}
+    manual = {
+        "dry_run": {"scope": "FullSweep", "dry_run": True},
+        "targeted": {"post_ids": targets},
+        "other_window": {"scope": "DailyWindow"},
+    }
     done_by_failed = {p for p, o in news_offsets(news_db).items() if p in drift and not o}
     r = recover(NEWS, recovery, failed, NEWS_CONF, MONDAY, manual)
     assert r["state"] == "success", (point, recovery, r["tasks"])
@@ -340,7 +390,7 @@ W, H = 30, 7
 
 
 def night(d: date) -> datetime:
-    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=timezone.utc)
+    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
 
 
 CATALOG_CONF = {"batch_size": 2, "max_ranges": 2}
@@ -348,8 +398,7 @@ CATALOG_POINTS = {
     "validate_options": ("pin_nightly.catalog.validate_options", "before", None),
     "acquire_lease": ("pin_nightly.lease.acquire", "after", None),
     "plan_property_objects": ("pin_nightly.catalog.plan_ranges", "after", None),
-    "property_objects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch",
-                                   "PropertyObject"),
+    "property_objects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "PropertyObject"),
     "range_before_return": ("pin_nightly.keyset.run_range", "after", None),
     "projects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "Project"),
     "retention": ("pin_nightly.catalog.retention", "before", None),
@@ -357,8 +406,11 @@ CATALOG_POINTS = {
     "release_lease": ("pin_nightly.jobs.release_lease", "before", None),
 }
 # failures that leave a pass of the failed run's date with ranges undone
-CATALOG_SWEEP_UNFINISHED = {"plan_property_objects", "property_objects_mid_batch",
-                            "projects_mid_batch"}
+CATALOG_SWEEP_UNFINISHED = {
+    "plan_property_objects",
+    "property_objects_mid_batch",
+    "projects_mid_batch",
+}
 
 
 def catalog_data(db) -> dict[str, dict]:
@@ -387,8 +439,15 @@ def catalog_data(db) -> dict[str, dict]:
     return cards
 
 
-def catalog_invariants(db, r: dict, cards: dict, complete: date | None, targets: set[str],
-                       window: int, expect_open: bool) -> None:
+def catalog_invariants(
+    db,
+    r: dict,
+    cards: dict,
+    complete: date | None,
+    targets: set[str],
+    window: int,
+    expect_open: bool,
+) -> None:
     """Every card's score is the formula over its true history at its newest snapshot date;
     no snapshot a later night needs is gone; ``complete``: the date every card (or only
     ``targets``) must have a snapshot of."""
@@ -403,8 +462,11 @@ def catalog_invariants(db, r: dict, cards: dict, complete: date | None, targets:
                 assert stored.get(d) == v, (cid, d, "snapshot lost")
         newest = max(stored)
         w = window if newest > D and (not targets or cid in targets) else W
-        assert db.score(cid, c["kind"]) == reference_popularity_score(history, newest, w, H), \
-            (cid, newest, w)
+        assert db.score(cid, c["kind"]) == reference_popularity_score(history, newest, w, H), (
+            cid,
+            newest,
+            w,
+        )
         if complete is not None and (not targets or cid in targets):
             assert complete in stored, (cid, complete)
     state_invariants(db, r, expect_open)
@@ -414,21 +476,38 @@ def catalog_invariants(db, r: dict, cards: dict, complete: date | None, targets:
 @pytest.mark.parametrize("point", list(CATALOG_POINTS))
 def test_catalog_fault_matrix(catalog_db, monkeypatch, point, recovery):
     cards = catalog_data(catalog_db)
-    failed = fail_once(monkeypatch, CATALOG, point, *CATALOG_POINTS[point], CATALOG_CONF,
-                       night(D))
+    failed = fail_once(monkeypatch, CATALOG, point, *CATALOG_POINTS[point], CATALOG_CONF, night(D))
     targets = sorted(cards)[:3]
     later = night(D + timedelta(days=1))
-    manual = {"dry_run": {"dry_run": True}, "targeted": {"card_ids": targets},
-              "other_window": {"window_days": 4}}
+    manual = {
+        "dry_run": {"dry_run": True},
+        "targeted": {"card_ids": targets},
+        "other_window": {"window_days": 4},
+    }
     if recovery in manual:  # manual runs about the next date (their run-after instant)
-        r = run_dag(CATALOG, manual[recovery], logical_date=later + timedelta(hours=1),
-                    run_after=later + timedelta(hours=1))
+        r = run_dag(
+            CATALOG,
+            manual[recovery],
+            logical_date=later + timedelta(hours=1),
+            run_after=later + timedelta(hours=1),
+        )
     else:
         r = recover(CATALOG, recovery, failed, CATALOG_CONF, later, manual)
     assert r["state"] == "success", (point, recovery, r["tasks"])
-    complete = {"clear_failed": D, "clear_task": D, "clear_run": D, "next_night": later.date(),
-                "other_window": later.date(), "targeted": later.date()}.get(recovery)
+    complete = {
+        "clear_failed": D,
+        "clear_task": D,
+        "clear_run": D,
+        "next_night": later.date(),
+        "other_window": later.date(),
+        "targeted": later.date(),
+    }.get(recovery)
     catalog_invariants(
-        catalog_db, r, cards, complete, set(targets) if recovery == "targeted" else set(),
+        catalog_db,
+        r,
+        cards,
+        complete,
+        set(targets) if recovery == "targeted" else set(),
         window=4 if recovery == "other_window" else W,
-        expect_open=recovery in ("dry_run", "targeted") and point in CATALOG_SWEEP_UNFINISHED)
+        expect_open=recovery in ("dry_run", "targeted") and point in CATALOG_SWEEP_UNFINISHED,
+    )

@@ -22,17 +22,25 @@ import sys
 import textwrap
 import threading
 import time
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 import psycopg
 import pytest
 
 from tests.helpers import (
-    ADVISORY_KEY, bulk_posts, gate_waiter, install_gate, new_id, post_offsets,
-    reference_popularity_score, remove_gate, wait_for, when,
+    ADVISORY_KEY,
+    bulk_posts,
+    gate_waiter,
+    install_gate,
+    new_id,
+    post_offsets,
+    reference_popularity_score,
+    remove_gate,
+    wait_for,
+    when,
 )
-from tools.devenv import REPO, airflow_connection, run_sql_file
+from tools.devenv import airflow_connection, run_sql_file
 from tools.hotpath import HotPathProcess
 from tools.rundag import run_dag
 
@@ -44,7 +52,7 @@ NEWS_KEY = "Pin:lock:job:scheduled:news-comment-reconcile"
 
 
 def night(d: date) -> datetime:
-    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=timezone.utc)
+    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
 
 
 def assert_ok(r):
@@ -62,8 +70,9 @@ def range_results(dag_id: str, run_id: str, task_id: str) -> list[dict]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        rows = session.scalars(XComModel.get_many(run_id=run_id, dag_ids=dag_id,
-                                                  task_ids=task_id, key="return_value")).all()
+        rows = session.scalars(
+            XComModel.get_many(run_id=run_id, dag_ids=dag_id, task_ids=task_id, key="return_value")
+        ).all()
         return [XComModel.deserialize_value(r) for r in rows]
 
 
@@ -74,14 +83,16 @@ def _logs(capfd, caplog) -> str:
 
 # --- 1. concurrent load: news -------------------------------------------------------------------
 
+
 def test_news_full_sweep_under_hot_path_load(news_db):
     """A FullSweep (batches of 50 over 3000 posts) while 6 hot-path threads create and remove
     comments as fast as they can (tools/hotpath.py, in a process of its own), three quarters of
-    them on 8 hot posts. Afterwards every post's drift is exactly what it must be: 0 for every post that
-    was correct (the hot path wrote many of them during the run) and for every drifted post the
-    run reconciled; the injected offset, unchanged, for a post left skipped-locked. The job recorded exactly the injected drift of the posts it
-    corrected: a count taken from a snapshot older than the row locks would show up as a
-    correction of a correct post or an off-by-one correction. (Checked by mutation: without the
+    them on 8 hot posts. Afterwards every post's drift is exactly what it must be: 0 for every
+    post that was correct (the hot path wrote many of them during the run) and for every
+    drifted post the run reconciled; the injected offset, unchanged, for a post left
+    skipped-locked. The job recorded exactly the injected drift of the posts it corrected: a
+    count taken from a snapshot older than the row locks would show up as a correction of a
+    correct post or an off-by-one correction. (Checked by mutation: without the
     row locks of the posts that look drifted, a lost or doubled hot-path update failed this test
     in 5 tries out of 10; the deterministic case of that race, a hot-path transaction holding a
     drifted post, is test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost.)"""
@@ -110,12 +121,15 @@ def test_news_full_sweep_under_hot_path_load(news_db):
     wrong = {p: (offsets[p], expected[p]) for p in ids if offsets[p] != expected[p]}
     assert wrong == {}, f"{len(wrong)} posts wrong (got, expected): {list(wrong.items())[:10]}"
     # what the job corrected: exactly the injected drift, each post once, nothing else
-    corrections = news_db.q("SELECT post_id::text, count_from - count_to FROM pin_nightly.news_drift")
+    corrections = news_db.q(
+        "SELECT post_id::text, count_from - count_to FROM pin_nightly.news_drift"
+    )
     assert len(corrections) == len({p for p, _ in corrections})
     assert dict(corrections) == {p: off for p, off in drift.items() if p not in skipped}
     # the job wrote no correct post (updated_at untouched), the hot path never writes updated_at
-    assert news_db.one("SELECT count(*) FROM news.posts WHERE updated_at <> '2026-01-01 00:00+00'") == \
-        len(drift) - len(skipped & drift.keys())
+    assert news_db.one(
+        "SELECT count(*) FROM news.posts WHERE updated_at <> '2026-01-01 00:00+00'"
+    ) == len(drift) - len(skipped & drift.keys())
     assert s["posts_skipped_locked"] == len(skipped)
     assert s["posts_reconciled"] == len(ids) - len(skipped)
     assert s["drift_corrected"] == len(drift) - len(skipped & drift.keys())
@@ -123,35 +137,51 @@ def test_news_full_sweep_under_hot_path_load(news_db):
     start, end = news_db.q(
         "SELECT extract(epoch FROM l.started_at)::float8, "
         "       extract(epoch FROM (SELECT max(updated_at) FROM pin_nightly.sweep_range))::float8 "
-        "  FROM pin_nightly.run_log l")[0]
+        "  FROM pin_nightly.run_log l"
+    )[0]
     during_sweep = stats.committed_between(start, end)
     assert during_sweep > 0
     assert set(hot) <= stats.touched and stats.touched & drift.keys()
     ranges = range_results(NEWS, r["run_id"], "reconcile_range")
     assert sum(x["processed"] for x in ranges) == s["posts_reconciled"]
     retried = sum(x["retried"] for x in ranges)  # skipped in their batch, taken at the range end
-    report("news hot path during a FullSweep", posts=len(ids), drifted=len(drift),
-           batch_size=50, batches=s["batches_processed"], run_ms=s["duration_ms"],
-           sweep_s=round(end - start, 2), dag_test_s=round(t1 - t0, 2),
-           hot_path_tx_during_dag_test=stats.committed_between(t0, t1),
-           hot_path_tx_during_batches=during_sweep,
-           hot_path_tps=round(stats.tps), hot_path_failures=len(stats.failures),
-           hot_path_waits_over_5ms=stats.waits,
-           hot_path_max_counter_update_ms=round(stats.max_counter_update_ms, 1),
-           posts_touched=len(stats.touched), skipped_then_retried=retried,
-           skipped_locked=s["posts_skipped_locked"],
-           drift_corrected=s["drift_corrected"])
+    report(
+        "news hot path during a FullSweep",
+        posts=len(ids),
+        drifted=len(drift),
+        batch_size=50,
+        batches=s["batches_processed"],
+        run_ms=s["duration_ms"],
+        sweep_s=round(end - start, 2),
+        dag_test_s=round(t1 - t0, 2),
+        hot_path_tx_during_dag_test=stats.committed_between(t0, t1),
+        hot_path_tx_during_batches=during_sweep,
+        hot_path_tps=round(stats.tps),
+        hot_path_failures=len(stats.failures),
+        hot_path_waits_over_5ms=stats.waits,
+        hot_path_max_counter_update_ms=round(stats.max_counter_update_ms, 1),
+        posts_touched=len(stats.touched),
+        skipped_then_retried=retried,
+        skipped_locked=s["posts_skipped_locked"],
+        drift_corrected=s["drift_corrected"],
+    )
 
 
 # --- 2. concurrent load: catalog ----------------------------------------------------------------
 
-CARD_TABLES = {"PropertyObject": "catalog.property_object_cards",
-               "Project": "catalog.project_cards"}
+CARD_TABLES = {
+    "PropertyObject": "catalog.property_object_cards",
+    "Project": "catalog.project_cards",
+}
 
 
 def _views(db) -> dict[str, int]:
-    return dict(db.q("SELECT id::text, popularity_views FROM catalog.property_object_cards "
-                     "UNION ALL SELECT id::text, popularity_views FROM catalog.project_cards"))
+    return dict(
+        db.q(
+            "SELECT id::text, popularity_views FROM catalog.property_object_cards "
+            "UNION ALL SELECT id::text, popularity_views FROM catalog.project_cards"
+        )
+    )
 
 
 def test_catalog_run_under_concurrent_view_consumers(catalog_db):
@@ -176,14 +206,22 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
         now = v1 + rnd.randint(0, 50)
         cards[cid] = kind
         history[cid] = {D - timedelta(days=2): v2, D - timedelta(days=1): v1}
-        rows[kind].append((cid, "Published", now, 0, datetime(2026, 1, 1, tzinfo=timezone.utc)))
+        rows[kind].append((cid, "Published", now, 0, datetime(2026, 1, 1, tzinfo=UTC)))
         snaps += [(kind, cid, d, v) for d, v in history[cid].items()]
     with psycopg.connect(catalog_db.dsn) as conn:
         for kind, table in CARD_TABLES.items():
-            copy_rows(conn, table, ("id", "status", "popularity_views", "popularity_score",
-                                    "updated_at"), rows[kind])
-        copy_rows(conn, "catalog.popularity_daily_views",
-                  ("card_kind", "card_id", "run_date", "cumulative_views"), snaps)
+            copy_rows(
+                conn,
+                table,
+                ("id", "status", "popularity_views", "popularity_score", "updated_at"),
+                rows[kind],
+            )
+        copy_rows(
+            conn,
+            "catalog.popularity_daily_views",
+            ("card_kind", "card_id", "run_date", "cumulative_views"),
+            snaps,
+        )
     ids = list(cards)
     hot = rnd.sample(ids, 6)
     before = _views(catalog_db)
@@ -195,8 +233,11 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
             with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
                 while not stop.is_set():
                     cid = r.choice(hot) if r.random() < 0.5 else r.choice(ids)
-                    cur = conn.execute(f"UPDATE {CARD_TABLES[cards[cid]]} SET popularity_views "
-                                       "= popularity_views + 1 WHERE id = %s", (cid,))
+                    cur = conn.execute(
+                        f"UPDATE {CARD_TABLES[cards[cid]]} SET popularity_views "
+                        "= popularity_views + 1 WHERE id = %s",
+                        (cid,),
+                    )
                     counts[i] += cur.rowcount
         except Exception as exc:  # noqa: BLE001
             errors.append(repr(exc))
@@ -219,42 +260,61 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
     assert errors == [] and not any(t.is_alive() for t in threads)
     after = _views(catalog_db)
     assert sum(after.values()) - sum(before.values()) == sum(counts)  # no increment lost
-    today = dict(catalog_db.q("SELECT card_id::text, cumulative_views FROM "
-                              "catalog.popularity_daily_views WHERE run_date = %s", D))
+    today = dict(
+        catalog_db.q(
+            "SELECT card_id::text, cumulative_views FROM "
+            "catalog.popularity_daily_views WHERE run_date = %s",
+            D,
+        )
+    )
     skipped = s["property_object_cards_skipped_locked"] + s["project_cards_skipped_locked"]
     assert len(today) == len(ids) - skipped
-    scores = dict(catalog_db.q("SELECT id::text, popularity_score FROM "
-                               "catalog.property_object_cards UNION ALL SELECT id::text, "
-                               "popularity_score FROM catalog.project_cards"))
+    scores = dict(
+        catalog_db.q(
+            "SELECT id::text, popularity_score FROM "
+            "catalog.property_object_cards UNION ALL SELECT id::text, "
+            "popularity_score FROM catalog.project_cards"
+        )
+    )
     for cid, snap in today.items():
         assert before[cid] <= snap <= after[cid], cid
-        assert scores[cid] == reference_popularity_score(
-            {**history[cid], D: snap}, D, 30, 7), cid
+        assert scores[cid] == reference_popularity_score({**history[cid], D: snap}, D, 30, 7), cid
     moved = sum(1 for c in today if today[c] != after[c])
 
     # the same date again, the consumers stopped: the settled counters, the formula exactly
     s2 = assert_ok(run_dag(CATALOG, {"batch_size": 20}, logical_date=night(D)))
-    today = dict(catalog_db.q("SELECT card_id::text, cumulative_views FROM "
-                              "catalog.popularity_daily_views WHERE run_date = %s", D))
+    today = dict(
+        catalog_db.q(
+            "SELECT card_id::text, cumulative_views FROM "
+            "catalog.popularity_daily_views WHERE run_date = %s",
+            D,
+        )
+    )
     assert today == after
-    for kind, table in CARD_TABLES.items():
+    for table in CARD_TABLES.values():
         for cid, score in catalog_db.q(f"SELECT id::text, popularity_score FROM {table}"):
-            assert score == reference_popularity_score({**history[cid], D: after[cid]},
-                                                       D, 30, 7), cid
+            assert score == reference_popularity_score({**history[cid], D: after[cid]}, D, 30, 7), (
+                cid
+            )
     assert s2["item_errors"] == 0
-    report("catalog consumers during a run", cards=len(ids), batch_size=20,
-           run_ms=s["duration_ms"], dag_test_s=round(t1 - t0, 2),
-           consumer_increments_during_run=in_run, increments_total=sum(counts),
-           cards_whose_counter_moved_after_their_snapshot=moved,
-           skipped_locked=skipped, rerun_cards_updated=s2["property_object_cards_updated"]
-           + s2["project_cards_updated"])
+    report(
+        "catalog consumers during a run",
+        cards=len(ids),
+        batch_size=20,
+        run_ms=s["duration_ms"],
+        dag_test_s=round(t1 - t0, 2),
+        consumer_increments_during_run=in_run,
+        increments_total=sum(counts),
+        cards_whose_counter_moved_after_their_snapshot=moved,
+        skipped_locked=skipped,
+        rerun_cards_updated=s2["property_object_cards_updated"] + s2["project_cards_updated"],
+    )
 
 
 # --- 3a. a worker killed with SIGKILL mid-batch -------------------------------------------------
 
 WORKER = textwrap.dedent("""
     import json, sys
-    sys.path[:0] = [{plugins!r}, {repo!r}]
     from pin_nightly import jobs, keyset, news
     from pin_nightly import lease as leases
     from pin_nightly.db import connection, sql
@@ -275,7 +335,7 @@ WORKER = textwrap.dedent("""
         print("working", sweep["sweep_id"], flush=True)
         res = keyset.run_range(conn, rng, lease, cfg["batch_size"], batch)
         print("finished", json.dumps(res.__dict__), flush=True)
-""").format(plugins=str(REPO / "plugins"), repo=str(REPO))
+""").format()
 
 
 def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db, tmp_path):
@@ -290,13 +350,26 @@ def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db
     gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cfg = {"batch_size": 10, "holder": "killed-worker/run-1", "run_id": "killed-run-1",
-           "ttl": 0.05, "max_run": 0.04}
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=os.environ.copy(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cfg = {
+        "batch_size": 10,
+        "holder": "killed-worker/run-1",
+        "run_id": "killed-run-1",
+        "ttl": 0.05,
+        "max_run": 0.04,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(cfg)],
+        env=os.environ.copy(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        pid = wait_for(lambda: gate_waiter(news_db) or proc.poll() is not None, timeout=90,
-                       what="the worker's third batch at the gate")
+        pid = wait_for(
+            lambda: gate_waiter(news_db) or proc.poll() is not None,
+            timeout=90,
+            what="the worker's third batch at the gate",
+        )
         if proc.poll() is not None:
             out, err = proc.communicate()
             pytest.fail(f"worker exited early ({proc.returncode}): {out}\n{err[-3000:]}")
@@ -313,23 +386,31 @@ def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db
     assert gate_waiter(news_db) == pid
     gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))
     gate.close()
-    ended = wait_for(lambda: news_db.one("SELECT count(*) = 0 FROM pg_stat_activity "
-                                         "WHERE pid = %s", pid), timeout=15,
-                     what="the orphaned backend to notice its client is gone")
+    ended = wait_for(
+        lambda: news_db.one("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s", pid),
+        timeout=15,
+        what="the orphaned backend to notice its client is gone",
+    )
     assert ended
     remove_gate(news_db, "news.posts")
     # the batch in flight was rolled back as a whole: cursor and corrections agree
-    assert news_db.q("SELECT cursor_id::text, batches, status FROM pin_nightly.sweep_range") == \
-        [(ids[19], 2, "pending")]
+    assert news_db.q("SELECT cursor_id::text, batches, status FROM pin_nightly.sweep_range") == [
+        (ids[19], 2, "pending")
+    ]
     fixed = sorted(p for p in ids if news_db.count(p) == 2)
     assert fixed == ids[:20]
-    assert sorted(r[0] for r in news_db.q("SELECT post_id::text FROM pin_nightly.news_drift")) \
+    assert (
+        sorted(r[0] for r in news_db.q("SELECT post_id::text FROM pin_nightly.news_drift"))
         == ids[:20]
+    )
     # the lease was not released; it expires by its TTL
     holder, expired = news_db.q("SELECT holder, expires_at <= now() FROM pin_nightly.job_lease")[0]
     assert holder == cfg["holder"]
-    wait_for(lambda: news_db.one("SELECT bool_and(expires_at <= now()) FROM pin_nightly.job_lease"),
-             timeout=10, what="the lease to expire")
+    wait_for(
+        lambda: news_db.one("SELECT bool_and(expires_at <= now()) FROM pin_nightly.job_lease"),
+        timeout=10,
+        what="the lease to expire",
+    )
     sweep_id = news_db.one("SELECT sweep_id FROM pin_nightly.sweep")
     s = assert_ok(run_dag(NEWS, {**FULL, "batch_size": 10, "max_ranges": 1}))
     assert s["sweep_id"] == sweep_id  # adopted, not planned again
@@ -338,15 +419,20 @@ def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 100
     assert news_db.one("SELECT count(DISTINCT post_id) FROM pin_nightly.news_drift") == 100
     assert news_db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
-    report("SIGKILL mid-batch", committed_before_kill=20, rolled_back_batch=10,
-           resumed=s["posts_reconciled"], lease_still_valid_after_kill=not expired,
-           orphan_backend_ended_on_its_own=True)
+    report(
+        "SIGKILL mid-batch",
+        committed_before_kill=20,
+        rolled_back_batch=10,
+        resumed=s["posts_reconciled"],
+        lease_still_valid_after_kill=not expired,
+        orphan_backend_ended_on_its_own=True,
+    )
 
 
 # --- 3b. the database connection dropped mid-run ------------------------------------------------
 
-def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news_db, capfd,
-                                                                           caplog):
+
+def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news_db, capfd, caplog):
     """pg_terminate_backend on the worker's backend while its third batch waits: the batch is
     rolled back, the mapped task fails with the server's message, the teardown releases the
     lease; running the same DAG run again (a retry) resumes from the cursor."""
@@ -362,7 +448,7 @@ def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news
         news_db.q("SELECT pg_terminate_backend(%s)", pid)
 
     watcher = when(lambda: gate_waiter(news_db) is not None, terminate, timeout=120)
-    logical = datetime(2026, 11, 25, 9, 0, tzinfo=timezone.utc)
+    logical = datetime(2026, 11, 25, 9, 0, tzinfo=UTC)
     conf = {**FULL, "batch_size": 10, "max_ranges": 1}
     capfd.readouterr()
     try:
@@ -379,10 +465,13 @@ def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news
     assert r["tasks"]["reconcile_range[0]"] == "failed"
     assert r["tasks"]["summarize"] == "upstream_failed"
     assert r["tasks"]["release_lease"] == "success"
-    assert ("terminating connection due to administrator command" in text
-            or "server closed the connection unexpectedly" in text), text[-3000:]
-    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == \
-        [(ids[19], 2)]
+    assert (
+        "terminating connection due to administrator command" in text
+        or "server closed the connection unexpectedly" in text
+    ), text[-3000:]
+    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == [
+        (ids[19], 2)
+    ]
     assert sorted(p for p in ids if news_db.count(p) == 2) == ids[:20]
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 20
     assert news_db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
@@ -392,22 +481,35 @@ def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news
     assert r2["run_id"] == r["run_id"]
     assert s["posts_reconciled"] == 60 and s["drift_corrected"] == 60  # 20 + 40, none twice
     assert news_db.drifted_posts() == 0
-    assert news_db.one("SELECT count(DISTINCT post_id) = 60 AND count(*) = 60 "
-                       "FROM pin_nightly.news_drift")
-    report("connection terminated mid-batch", committed_before=20, resumed_by_retry=40,
-           failed_run_s=round(failed_after, 1))
+    assert news_db.one(
+        "SELECT count(DISTINCT post_id) = 60 AND count(*) = 60 FROM pin_nightly.news_drift"
+    )
+    report(
+        "connection terminated mid-batch",
+        committed_before=20,
+        resumed_by_retry=40,
+        failed_run_s=round(failed_after, 1),
+    )
 
 
 # --- 3c. the lease taken over while a slow worker still runs (fencing) --------------------------
+
 
 def _sweep(conn, run_id: str, batch_size: int):
     from pin_nightly import keyset, news
     from pin_nightly.db import sql
 
-    spec = keyset.SweepSpec(job=news.JOB.code, scope="FullSweep", family="FullSweep",
-                            resumable=True)
-    sweep = keyset.open_sweep(conn, spec, run_id, lambda cur, s: keyset.boundaries(
-        cur, sql("news/full_source").strip(), {"sweep_id": s["sweep_id"]}, batch_size, 1))
+    spec = keyset.SweepSpec(
+        job=news.JOB.code, scope="FullSweep", family="FullSweep", resumable=True
+    )
+    sweep = keyset.open_sweep(
+        conn,
+        spec,
+        run_id,
+        lambda cur, s: keyset.boundaries(
+            cur, sql("news/full_source").strip(), {"sweep_id": s["sweep_id"]}, batch_size, 1
+        ),
+    )
     [rng] = keyset.range_descriptors(sweep, "FullSweep")
     opts = {**news.DEFAULTS, "batch_size": batch_size, "effective_scope": "FullSweep"}
     return rng, news.make_batch(opts, sweep["sweep_id"], run_id, candidate_mode=False)
@@ -438,8 +540,9 @@ def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db
             keyset.run_range(conn, rng, lease, 10, batch, on_batch=take_over)
     assert isinstance(taken[0], leases.Lease) and taken[0].token > lease.token
     assert news_db.q("SELECT holder FROM pin_nightly.job_lease") == [("other-deployment/run-2",)]
-    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == \
-        [(ids[9], 1)]
+    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == [
+        (ids[9], 1)
+    ]
     assert sorted(p for p in ids if news_db.count(p) == 2) == ids[:10]  # nothing after batch 1
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 10
 
@@ -478,11 +581,17 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
     worker = threading.Thread(target=slow_worker, daemon=True)
     worker.start()
     try:
-        wait_for(lambda: gate_waiter(news_db) or "error" in outcome, timeout=30,
-                 what="the second batch at the gate")
+        wait_for(
+            lambda: gate_waiter(news_db) or "error" in outcome,
+            timeout=30,
+            what="the second batch at the gate",
+        )
         assert "error" not in outcome, outcome
-        wait_for(lambda: news_db.one("SELECT expires_at <= now() FROM pin_nightly.job_lease"),
-                 timeout=10, what="the lease to expire by its TTL")
+        wait_for(
+            lambda: news_db.one("SELECT expires_at <= now() FROM pin_nightly.job_lease"),
+            timeout=10,
+            what="the lease to expire by its TTL",
+        )
         other = threading.Thread(target=other_holder, daemon=True)
         other.start()
         time.sleep(1.0)
@@ -500,14 +609,18 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
     assert outcome["other"].token > outcome["lease"].token
     # the batch in flight committed under the old lease (nobody could take it meanwhile);
     # nothing was written after it
-    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == \
-        [(ids[19], 2)]
+    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == [
+        (ids[19], 2)
+    ]
     assert sorted(p for p in ids if news_db.count(p) == 2) == ids[:20]
-    assert news_db.one("SELECT max(recorded_at) <= (SELECT acquired_at FROM "
-                       "pin_nightly.job_lease) FROM pin_nightly.news_drift")
+    assert news_db.one(
+        "SELECT max(recorded_at) <= (SELECT acquired_at FROM "
+        "pin_nightly.job_lease) FROM pin_nightly.news_drift"
+    )
 
 
 # --- 3d. missing connection, database, table, column, index -------------------------------------
+
 
 def _closed_port() -> int:
     with socket.socket() as s:
@@ -519,8 +632,12 @@ def _break(case: str, db, monkeypatch) -> None:
     if case == "missing connection":
         monkeypatch.delenv("AIRFLOW_CONN_NEWS_DB")
     elif case == "unreachable database":
-        monkeypatch.setenv("AIRFLOW_CONN_NEWS_DB", airflow_connection(
-            f"host=127.0.0.1 port={_closed_port()} dbname=news user=pin connect_timeout=3"))
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_NEWS_DB",
+            airflow_connection(
+                f"host=127.0.0.1 port={_closed_port()} dbname=news user=pin connect_timeout=3"
+            ),
+        )
     elif case == "missing table":
         db.q("DROP TABLE news.comments")
     elif case == "missing column":
@@ -536,9 +653,9 @@ PREFLIGHT = [
 
 
 @pytest.mark.parametrize("case,message", PREFLIGHT, ids=[c for c, _ in PREFLIGHT])
-def test_a_broken_environment_fails_at_acquire_lease_before_any_write(news_db, monkeypatch,
-                                                                      capfd, caplog, case,
-                                                                      message):
+def test_a_broken_environment_fails_at_acquire_lease_before_any_write(
+    news_db, monkeypatch, capfd, caplog, case, message
+):
     drifted = news_db.post(count=5, visible=3)
     counters = "SELECT id, status, comments_count FROM news.posts ORDER BY id"
     before = news_db.q(counters)
@@ -564,8 +681,9 @@ def test_catalog_missing_column_fails_at_acquire_lease(catalog_db, capfd, caplog
     capfd.readouterr()
     r = run_dag(CATALOG, {}, logical_date=night(D))
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
-    assert "domain table catalog.project_cards lacks column(s): popularity_views" in \
-        _logs(capfd, caplog)
+    assert "domain table catalog.project_cards lacks column(s): popularity_views" in _logs(
+        capfd, caplog
+    )
     assert catalog_db.one("SELECT to_regclass('catalog.popularity_daily_views') IS NULL")
     assert catalog_db.one("SELECT popularity_score FROM catalog.property_object_cards") == 0
 
@@ -575,8 +693,12 @@ def test_missing_recommended_indexes_warn_and_the_run_succeeds(news_db, capfd, c
 
     news_db.q("DROP SCHEMA news CASCADE")
     create_news_schema(news_db.dsn, indexes=False)
-    assert news_db.one("SELECT count(*) FROM pg_indexes WHERE schemaname = 'news' "
-                       "AND indexname LIKE 'ix_%%'") == 0
+    assert (
+        news_db.one(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'news' AND indexname LIKE 'ix_%%'"
+        )
+        == 0
+    )
     drifted = news_db.post(count=5, visible=3)
     capfd.readouterr()
     s = assert_ok(run_dag(NEWS, FULL))
@@ -610,16 +732,21 @@ BAD_CATALOG_SCHEMA = [
     ({"max_ranges": 65}, "max_ranges"),
     # values that would overflow PostgreSQL's dates, timestamps or bigints half-way through a run
     ({"window_days": 10**9}, "window_days"),
-    ({"max_run_duration_minutes": 10**9, "lock_ttl_minutes": 2 * 10**9},
-     "max_run_duration_minutes"),
-    ({"max_run_duration_minutes": float("inf"), "lock_ttl_minutes": float("inf")},
-     "max_run_duration_minutes"),
+    (
+        {"max_run_duration_minutes": 10**9, "lock_ttl_minutes": 2 * 10**9},
+        "max_run_duration_minutes",
+    ),
+    (
+        {"max_run_duration_minutes": float("inf"), "lock_ttl_minutes": float("inf")},
+        "max_run_duration_minutes",
+    ),
     ({"batch_size": 10**19}, "batch_size"),
 ]
 
 
-@pytest.mark.parametrize("conf,param", BAD_CATALOG_SCHEMA,
-                         ids=[f"{p}={c[p]!r}" for c, p in BAD_CATALOG_SCHEMA])
+@pytest.mark.parametrize(
+    "conf,param", BAD_CATALOG_SCHEMA, ids=[f"{p}={c[p]!r}" for c, p in BAD_CATALOG_SCHEMA]
+)
 def test_catalog_invalid_conf_creates_no_run(catalog_db, conf, param):
     from airflow.models.dagrun import DagRun
     from airflow.sdk.definitions.param import ParamValidationError
@@ -634,18 +761,27 @@ def test_catalog_invalid_conf_creates_no_run(catalog_db, conf, param):
 
 
 BAD_OPTIONS = [
-    ("catalog-ttl-below-duration", CATALOG,
-     {"lock_ttl_minutes": 10, "max_run_duration_minutes": 20}, "must exceed"),
-    ("catalog-ttl-equals-duration", CATALOG,
-     {"lock_ttl_minutes": 30, "max_run_duration_minutes": 30}, "must exceed"),
+    (
+        "catalog-ttl-below-duration",
+        CATALOG,
+        {"lock_ttl_minutes": 10, "max_run_duration_minutes": 20},
+        "must exceed",
+    ),
+    (
+        "catalog-ttl-equals-duration",
+        CATALOG,
+        {"lock_ttl_minutes": 30, "max_run_duration_minutes": 30},
+        "must exceed",
+    ),
 ]
 
 
-@pytest.mark.parametrize("dag_id,conf,message", [c[1:] for c in BAD_OPTIONS],
-                         ids=[c[0] for c in BAD_OPTIONS])
-def test_inconsistent_or_out_of_range_options_fail_before_any_write(news_db, catalog_db, capfd,
-                                                                    caplog, dag_id, conf,
-                                                                    message):
+@pytest.mark.parametrize(
+    "dag_id,conf,message", [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS]
+)
+def test_inconsistent_or_out_of_range_options_fail_before_any_write(
+    news_db, catalog_db, capfd, caplog, dag_id, conf, message
+):
     card = catalog_db.card(views=10)
     catalog_db.seed_snapshot(card, D - timedelta(days=1), 4)
     post = news_db.post(count=5, visible=3)
@@ -667,11 +803,15 @@ def test_fractional_minutes_are_accepted(news_db, catalog_db):
     post = news_db.post(count=5, visible=3)
     card = catalog_db.card(views=10)
     catalog_db.seed_snapshot(card, D - timedelta(days=1), 4)
-    s = assert_ok(run_dag(NEWS, {**FULL, "max_run_duration_minutes": 0.5,
-                                 "lock_ttl_minutes": 1.5}))
+    s = assert_ok(run_dag(NEWS, {**FULL, "max_run_duration_minutes": 0.5, "lock_ttl_minutes": 1.5}))
     assert news_db.count(post) == 3 and s["backlog_remaining"] is False
-    assert_ok(run_dag(CATALOG, {"max_run_duration_minutes": 0.5, "lock_ttl_minutes": 0.75,
-                                "half_life_days": 3.5}, logical_date=night(D)))
+    assert_ok(
+        run_dag(
+            CATALOG,
+            {"max_run_duration_minutes": 0.5, "lock_ttl_minutes": 0.75, "half_life_days": 3.5},
+            logical_date=night(D),
+        )
+    )
     assert catalog_db.score(card) == 6
 
 
@@ -681,11 +821,13 @@ def test_extreme_but_valid_decay_params_compute_without_overflow(catalog_db):
     cid = catalog_db.card(views=100)
     catalog_db.seed_snapshot(cid, D - timedelta(days=3000), 10)
     catalog_db.seed_snapshot(cid, D - timedelta(days=1), 60)
-    assert_ok(run_dag(CATALOG, {"window_days": 3660, "half_life_days": 1e-6},
-                      logical_date=night(D)))
+    assert_ok(
+        run_dag(CATALOG, {"window_days": 3660, "half_life_days": 1e-6}, logical_date=night(D))
+    )
     assert catalog_db.score(cid) == 40  # only today's delta keeps a weight
-    assert_ok(run_dag(CATALOG, {"window_days": 3660, "half_life_days": 1e12},
-                      logical_date=night(D)))
+    assert_ok(
+        run_dag(CATALOG, {"window_days": 3660, "half_life_days": 1e12}, logical_date=night(D))
+    )
     assert catalog_db.score(cid) == 90  # (almost) no decay: 50 + 40
 
 
@@ -711,20 +853,30 @@ def test_non_finite_numbers_fail_before_any_write(catalog_db, capfd, caplog, con
 
 # --- 4. bad data ------------------------------------------------------------------------------
 
+
 def test_orphan_and_unknown_status_comments_do_not_break_the_news_job(news_db):
     """Comments whose post does not exist (recent ones too, so the DailyWindow sees them) and
     comments with a status outside the enum are ignored; a negative counter is corrected."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     good = news_db.post(count=2, visible=2)
     negative = news_db.post(count=-4, visible=1)
     odd = news_db.post(count=3, visible=1, comments_at=now - timedelta(days=30))
     for status in ("visible", "Pending", "VISIBLE "):
-        news_db.q("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                  "VALUES (%s, %s, %s, now(), now())", new_id(), odd, status)
+        news_db.q(
+            "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+            "VALUES (%s, %s, %s, now(), now())",
+            new_id(),
+            odd,
+            status,
+        )
     orphans = [new_id() for _ in range(5)]
     for pid in orphans:
-        news_db.q("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                  "VALUES (%s, %s, 'Visible', now(), now())", new_id(), pid)
+        news_db.q(
+            "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+            "VALUES (%s, %s, 'Visible', now(), now())",
+            new_id(),
+            pid,
+        )
     comments_before = news_db.q("SELECT * FROM news.comments ORDER BY id")
     s = assert_ok(run_dag(NEWS, {"scope": "DailyWindow"}))
     assert s["posts_reconciled"] == 1  # only the existing post with fresh comments

@@ -3,7 +3,7 @@ run. The behaviour on PostgreSQL and through Airflow is tested by the other modu
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -11,21 +11,24 @@ from pin_nightly import catalog, jobs, keyset, news
 from pin_nightly.db import JobConfigError
 
 # 2026-11-29 is a Sunday; 03:00 in Moscow is 00:00 UTC.
-SUNDAY_NIGHT = datetime(2026, 11, 29, 0, 0, tzinfo=timezone.utc)
-MONDAY_NIGHT = datetime(2026, 11, 30, 0, 0, tzinfo=timezone.utc)
+SUNDAY_NIGHT = datetime(2026, 11, 29, 0, 0, tzinfo=UTC)
+MONDAY_NIGHT = datetime(2026, 11, 30, 0, 0, tzinfo=UTC)
 POST = "0190a000-0000-7000-8000-000000000001"
 
 
-@pytest.mark.parametrize("params,instant,scope", [
-    ({}, SUNDAY_NIGHT, "FullSweep"),
-    ({}, MONDAY_NIGHT, "DailyWindow"),
-    # Sunday 23:30 UTC is already Monday in Moscow
-    ({}, datetime(2026, 11, 29, 23, 30, tzinfo=timezone.utc), "DailyWindow"),
-    ({"full_sweep_cron": "0 3 * * 1"}, MONDAY_NIGHT, "FullSweep"),
-    ({"scope": "FullSweep"}, MONDAY_NIGHT, "FullSweep"),
-    ({"scope": "DailyWindow"}, SUNDAY_NIGHT, "DailyWindow"),
-    ({"post_ids": [POST.upper().replace("-", "")]}, SUNDAY_NIGHT, "Targeted"),
-])
+@pytest.mark.parametrize(
+    "params,instant,scope",
+    [
+        ({}, SUNDAY_NIGHT, "FullSweep"),
+        ({}, MONDAY_NIGHT, "DailyWindow"),
+        # Sunday 23:30 UTC is already Monday in Moscow
+        ({}, datetime(2026, 11, 29, 23, 30, tzinfo=UTC), "DailyWindow"),
+        ({"full_sweep_cron": "0 3 * * 1"}, MONDAY_NIGHT, "FullSweep"),
+        ({"scope": "FullSweep"}, MONDAY_NIGHT, "FullSweep"),
+        ({"scope": "DailyWindow"}, SUNDAY_NIGHT, "DailyWindow"),
+        ({"post_ids": [POST.upper().replace("-", "")]}, SUNDAY_NIGHT, "Targeted"),
+    ],
+)
 def test_news_scope_choice(params, instant, scope):
     opts = news.validate_options(params, instant)
     assert opts["effective_scope"] == scope
@@ -33,18 +36,21 @@ def test_news_scope_choice(params, instant, scope):
         assert opts["post_ids"] == [POST]  # normalized
 
 
-@pytest.mark.parametrize("params,message", [
-    ({"lock_ttl_minutes": 20, "max_run_duration_minutes": 20}, "must exceed"),
-    ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
-    ({"post_ids": [POST], "scope": "FullSweep"}, "leave scope at 'auto'"),
-])
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"lock_ttl_minutes": 20, "max_run_duration_minutes": 20}, "must exceed"),
+        ({"full_sweep_cron": "every sunday"}, "full_sweep_cron"),
+        ({"post_ids": [POST], "scope": "FullSweep"}, "leave scope at 'auto'"),
+    ],
+)
 def test_news_rules_across_options(params, message):
     with pytest.raises(JobConfigError, match=message):
         news.validate_options(params, MONDAY_NIGHT)
 
 
 def test_catalog_as_of_date_is_the_utc_day_of_the_run():
-    late = datetime(2026, 11, 30, 23, 59, tzinfo=timezone.utc)
+    late = datetime(2026, 11, 30, 23, 59, tzinfo=UTC)
     assert catalog.validate_options({}, late)["as_of_date"] == "2026-11-30"
     with pytest.raises(JobConfigError, match="must exceed"):
         catalog.validate_options({"lock_ttl_minutes": 30}, late)
@@ -63,15 +69,33 @@ def test_params_defaults_and_deadline_budget_come_from_one_definition():
 
 
 def test_run_instant():
-    after = datetime(2026, 12, 1, 5, tzinfo=timezone.utc)
+    after = datetime(2026, 12, 1, 5, tzinfo=UTC)
     assert jobs.run_instant(SUNDAY_NIGHT, after) == SUNDAY_NIGHT
     assert jobs.run_instant(None, after) == after
 
 
-@pytest.mark.parametrize("lower,upper,label", [
-    (None, None, "FullSweep#0 (start..end]"),
-    ("019b76da-a83a-7b33-bda8-46e4cf58440c", None, "FullSweep#0 (019b76da..end]"),
-])
+@pytest.mark.parametrize(
+    "lower,upper,label",
+    [
+        (None, None, "FullSweep#0 (start..end]"),
+        ("019b76da-a83a-7b33-bda8-46e4cf58440c", None, "FullSweep#0 (019b76da..end]"),
+    ],
+)
 def test_range_labels(lower, upper, label):
     rng = {"prefix": "FullSweep", "range_no": 0, "lower_id": lower, "upper_id": upper}
     assert keyset.range_label(rng) == label
+
+
+@pytest.mark.parametrize(
+    "emit",
+    [
+        lambda m: m.incr("news_comment_reconcile_posts_reconciled"),  # not declared
+        lambda m: m.gauge("news_comment_reconcile_posts_reconciled_total", 1),  # a counter
+        lambda m: m.incr("catalog_popularity_recompute_cards_total", 1),  # without its tag
+    ],
+)
+def test_emitters_refuse_undeclared_metrics(emit):
+    from pin_nightly import metrics
+
+    with pytest.raises(metrics.UnknownMetric):
+        emit(metrics)

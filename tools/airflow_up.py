@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from tools import devenv
 from tools.stack import stack_env
@@ -46,18 +46,23 @@ def main() -> int:
 
     def catalog(dsn):
         demodata.create_catalog_schema(dsn)
-        demodata.load_catalog_demo(dsn, datetime.now(timezone.utc).date())
+        demodata.load_catalog_demo(dsn, datetime.now(UTC).date())
 
     news_dsn = _ensure_db("pin_airflow_news", news)
     catalog_dsn = _ensure_db("pin_airflow_catalog", catalog)
-    meta = _ensure_db("pin_airflow_metadata", lambda dsn: None)
-    env = stack_env(HOME, meta, PORT, {
-        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
-    })
+    meta = _ensure_db("pin_airflow_metadata", lambda _dsn: None)
+    env = stack_env(
+        HOME,
+        meta,
+        PORT,
+        {
+            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+            "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
+        },
+    )
     HOME.mkdir(parents=True, exist_ok=True)
     # airflow standalone starts its components as `airflow` from PATH: put the virtualenv first,
     # so that `make airflow` works from a plain shell
@@ -65,13 +70,22 @@ def main() -> int:
     env["PATH"] = os.pathsep.join([str(bindir), env.get("PATH", "")])
     exe = str(bindir / "airflow")
     subprocess.run([exe, "db", "migrate"], env=env, check=True, capture_output=True)
-    subprocess.run([exe, "pools", "import", str(devenv.REPO / "pools.json")], env=env,
-                   check=True, capture_output=True)
+    subprocess.run(
+        [exe, "pools", "import", str(devenv.REPO / "pools.json")],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     log_path = HOME / "standalone.log"
     # a session of its own: `make stop` stops the whole process group (every component and
     # the executor's workers), not just the standalone supervisor
-    proc = subprocess.Popen([exe, "standalone"], env=env, stdout=open(log_path, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [exe, "standalone"],
+        env=env,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     PIDFILE.write_text(f"{os.getpid()} {proc.pid}")  # this supervisor, the process group
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -79,20 +93,30 @@ def main() -> int:
     code = 0
     try:
         if not _wait_ready(proc, PORT, timeout=240):
-            print(f"Airflow did not start: see {log_path.relative_to(devenv.REPO)}\n"
-                  + _tail(log_path), file=sys.stderr, flush=True)
+            print(
+                f"Airflow did not start: see {log_path.relative_to(devenv.REPO)}\n"
+                + _tail(log_path),
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         password = json.loads(pw_file.read_text()).get("admin", "?") if pw_file.exists() else "?"
-        print(f"\nAirflow is ready: http://127.0.0.1:{PORT}  login: admin / {password}\n"
-              f"DAGs start paused: unpause them in the UI or trigger a run.\n"
-              f"Job data: databases pin_airflow_news / pin_airflow_catalog "
-              f"(connections news_db, catalog_db). Logs: {HOME.relative_to(devenv.REPO)}/\n"
-              f"Stop: Ctrl-C here, or `make stop`.", flush=True)
+        print(
+            f"\nAirflow is ready: http://127.0.0.1:{PORT}  login: admin / {password}\n"
+            f"DAGs start paused: unpause them in the UI or trigger a run.\n"
+            f"Job data: databases pin_airflow_news / pin_airflow_catalog "
+            f"(connections news_db, catalog_db). Logs: {HOME.relative_to(devenv.REPO)}/\n"
+            f"Stop: Ctrl-C here, or `make stop`.",
+            flush=True,
+        )
         while proc.poll() is None and not stop["now"]:
             time.sleep(1)
         if proc.poll() is not None and not stop["now"]:
-            print(f"Airflow exited with code {proc.returncode}:\n" + _tail(log_path),
-                  file=sys.stderr, flush=True)
+            print(
+                f"Airflow exited with code {proc.returncode}:\n" + _tail(log_path),
+                file=sys.stderr,
+                flush=True,
+            )
             code = 1
     except KeyboardInterrupt:
         pass
@@ -110,8 +134,9 @@ def _wait_ready(proc: subprocess.Popen, port: int, timeout: float) -> bool:
         if proc.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/monitor/health",
-                                        timeout=2) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=2
+            ) as r:
                 if r.status == 200:
                     return True
         except OSError:
@@ -129,8 +154,9 @@ def _tail(path, lines: int = 30) -> str:
 
 def _group_pids(pgid: int) -> list[int]:
     """Live processes of the group (a zombie waiting for its parent to reap it is gone)."""
-    out = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        ["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True, text=True
+    )
     rows = (line.split() for line in out.stdout.splitlines() if line.strip())
     return [int(pid) for pid, stat in rows if not stat.startswith("Z")]
 
@@ -146,8 +172,7 @@ def stop_group(pgid: int, timeout: float = 30) -> list[int]:
         time.sleep(0.5)
     left = _group_pids(pgid)
     if left:
-        print(f"{len(left)} process(es) ignored SIGTERM after {timeout:.0f} s: SIGKILL",
-              flush=True)
+        print(f"{len(left)} process(es) ignored SIGTERM after {timeout:.0f} s: SIGKILL", flush=True)
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
@@ -180,8 +205,11 @@ def stop(timeout: float = 60) -> int:
             time.sleep(0.5)
     stop_group(pgid)
     PIDFILE.unlink(missing_ok=True)
-    print(f"stopped Airflow: {len(pids)} process(es) of group {pgid}" if pids else
-          "make airflow was not running (stale pid file removed)")
+    print(
+        f"stopped Airflow: {len(pids)} process(es) of group {pgid}"
+        if pids
+        else "make airflow was not running (stale pid file removed)"
+    )
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from tools import devenv
 
@@ -15,12 +15,19 @@ HOME = devenv.REPO / ".airflow" / "demo"
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     heads = [h for h, _ in columns]
     cells = [[_fmt(r.get(k)) for _, k in columns] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(heads)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)
+    ]
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     out = [line, "| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |", line]
-    out += ["| " + " | ".join(c.rjust(w) if c.replace(".", "").isdigit() else c.ljust(w)
-                              for c, w in zip(row, widths)) + " |" for row in cells]
+    out += [
+        "| "
+        + " | ".join(
+            c.rjust(w) if c.replace(".", "").isdigit() else c.ljust(w) for c, w in zip(row, widths)
+        )
+        + " |"
+        for row in cells
+    ]
     out.append(line)
     return "\n".join(out)
 
@@ -47,9 +54,11 @@ def news_demo() -> list[dict]:
     create_news_schema(dsn)
     made = load_news_demo(dsn, posts=5000)
     os.environ["AIRFLOW_CONN_NEWS_DB"] = devenv.airflow_connection(dsn)
-    say(f"news data: {made['posts']} posts ({made['archived']} archived), {made['comments']} "
+    say(
+        f"news data: {made['posts']} posts ({made['archived']} archived), {made['comments']} "
         f"comments (visible, hidden, deleted), {made['drifted']} drifted counters, "
-        f"{made['comments_changed_recently']} comments changed in the last day")
+        f"{made['comments_changed_recently']} comments changed in the last day"
+    )
 
     runs = []
 
@@ -57,8 +66,12 @@ def news_demo() -> list[dict]:
         started = time.monotonic()
         r = run_dag("news_comment_reconcile", conf)
         s = r["summary"] or {}
-        row = {"run": title, "state": r["state"], **s,
-               "wall_s": f"{time.monotonic() - started:.1f}"}
+        row = {
+            "run": title,
+            "state": r["state"],
+            **s,
+            "wall_s": f"{time.monotonic() - started:.1f}",
+        }
         runs.append(row)
         return row
 
@@ -67,28 +80,49 @@ def news_demo() -> list[dict]:
     go("3 FullSweep again", {"scope": "FullSweep"})
     with psycopg.connect(dsn, autocommit=True) as conn:
         # the hot path loses a decrement on a few posts: a targeted repair, dry run first
-        ids = [r[0] for r in conn.execute(
-            "UPDATE news.posts SET comments_count = comments_count + 1 WHERE id IN (SELECT id "
-            "FROM news.posts WHERE status <> 'Archived' ORDER BY id DESC LIMIT 3) "
-            "RETURNING id::text").fetchall()]
-        say("\nbetween runs 3 and 4 the demo makes the hot path lose a decrement on 3 posts "
-            "(comments_count + 1): runs 4 and 5 are a targeted dry run and repair of them")
+        ids = [
+            r[0]
+            for r in conn.execute(
+                "UPDATE news.posts SET comments_count = comments_count + 1 WHERE id IN (SELECT id "
+                "FROM news.posts WHERE status <> 'Archived' ORDER BY id DESC LIMIT 3) "
+                "RETURNING id::text"
+            ).fetchall()
+        ]
+        say(
+            "\nbetween runs 3 and 4 the demo makes the hot path lose a decrement on 3 posts "
+            "(comments_count + 1): runs 4 and 5 are a targeted dry run and repair of them"
+        )
         go("4 post_ids dry run", {"post_ids": ids, "dry_run": True})
         go("5 post_ids repair", {"post_ids": ids})
         left = conn.execute(
             "SELECT count(*) FROM news.posts p WHERE p.status <> 'Archived' AND "
             "p.comments_count <> (SELECT count(*) FROM news.comments c "
-            "WHERE c.post_id = p.id AND c.status = 'Visible')").fetchone()[0]
+            "WHERE c.post_id = p.id AND c.status = 'Visible')"
+        ).fetchone()[0]
         sample = conn.execute(
             "SELECT post_id::text, count_from, count_to, dry_run FROM pin_nightly.news_drift "
-            "ORDER BY recorded_at LIMIT 5").fetchall()
+            "ORDER BY recorded_at LIMIT 5"
+        ).fetchall()
     say("\nnews_comment_reconcile runs (through Airflow, dag.test):")
-    say(table(runs, [("run", "run"), ("state", "state"), ("scope", "scope"),
-                     ("dry", "dry_run"), ("reconciled", "posts_reconciled"),
-                     ("drift found", "drift_found"), ("drift fixed", "drift_corrected"), ("batches", "batches_processed"),
-                     ("skipped locked", "posts_skipped_locked"),
-                     ("backlog", "backlog_remaining"), ("job ms", "duration_ms"),
-                     ("wall s", "wall_s")]))
+    say(
+        table(
+            runs,
+            [
+                ("run", "run"),
+                ("state", "state"),
+                ("scope", "scope"),
+                ("dry", "dry_run"),
+                ("reconciled", "posts_reconciled"),
+                ("drift found", "drift_found"),
+                ("drift fixed", "drift_corrected"),
+                ("batches", "batches_processed"),
+                ("skipped locked", "posts_skipped_locked"),
+                ("backlog", "backlog_remaining"),
+                ("job ms", "duration_ms"),
+                ("wall s", "wall_s"),
+            ],
+        )
+    )
     say("first corrections recorded in pin_nightly.news_drift (post, from -> to):")
     for pid, a, b, dry in sample:
         say(f"  {pid}  {a} -> {b}{'  (dry run)' if dry else ''}")
@@ -102,40 +136,67 @@ def catalog_demo() -> list[dict]:
     from tools.demodata import create_catalog_schema, load_catalog_demo
     from tools.rundag import run_dag
 
-    today = datetime.now(timezone.utc).date()
+    today = datetime.now(UTC).date()
     dsn = devenv.recreate_database("pin_demo_catalog")
     create_catalog_schema(dsn)
     made = load_catalog_demo(dsn, today)
     os.environ["AIRFLOW_CONN_CATALOG_DB"] = devenv.airflow_connection(dsn)
-    say(f"\ncatalog data: {made['cards']} cards (property objects and projects, 5 % Delisted), "
-        f"{made['snapshots']} snapshots over 31 nights (3 missed), {made['poison']} poison cards")
-    say(f"the {made['poison']} poison cards (NULL and negative popularity_views) are logged at "
-        "ERROR as 'item failed' on purpose, in each run that reaches them")
-    logical = datetime(today.year, today.month, today.day, 3, tzinfo=timezone.utc)
+    say(
+        f"\ncatalog data: {made['cards']} cards (property objects and projects, 5 % Delisted), "
+        f"{made['snapshots']} snapshots over 31 nights (3 missed), {made['poison']} poison cards"
+    )
+    say(
+        f"the {made['poison']} poison cards (NULL and negative popularity_views) are logged at "
+        "ERROR as 'item failed' on purpose, in each run that reaches them"
+    )
+    logical = datetime(today.year, today.month, today.day, 3, tzinfo=UTC)
     runs = []
-    for title, conf, when in (("1 tonight", {}, logical),
-                              ("2 tonight again", {}, logical),
-                              ("3 yesterday (backfill)", {}, logical - timedelta(days=1))):
+    for title, conf, when in (
+        ("1 tonight", {}, logical),
+        ("2 tonight again", {}, logical),
+        ("3 yesterday (backfill)", {}, logical - timedelta(days=1)),
+    ):
         started = time.monotonic()
         r = run_dag("catalog_popularity_recompute", conf, logical_date=when)
-        runs.append({"run": title, "state": r["state"], **(r["summary"] or {}),
-                     "wall_s": f"{time.monotonic() - started:.1f}"})
+        runs.append(
+            {
+                "run": title,
+                "state": r["state"],
+                **(r["summary"] or {}),
+                "wall_s": f"{time.monotonic() - started:.1f}",
+            }
+        )
     say("\ncatalog_popularity_recompute runs (through Airflow, dag.test):")
-    say(table(runs, [("run", "run"), ("state", "state"), ("as_of_date", "as_of_date"),
-                     ("PO updated", "property_object_cards_updated"),
-                     ("projects updated", "project_cards_updated"),
-                     ("snapshots", "snapshots_written"), ("pruned", "snapshots_pruned"),
-                     ("item errors", "item_errors"), ("backlog", "backlog_remaining"),
-                     ("job ms", "duration_ms"), ("wall s", "wall_s")]))
-    say(f"   run 2: the {runs[1].get('snapshots_written')} snapshots are re-upserts of the same "
+    say(
+        table(
+            runs,
+            [
+                ("run", "run"),
+                ("state", "state"),
+                ("as_of_date", "as_of_date"),
+                ("PO updated", "property_object_cards_updated"),
+                ("projects updated", "project_cards_updated"),
+                ("snapshots", "snapshots_written"),
+                ("pruned", "snapshots_pruned"),
+                ("item errors", "item_errors"),
+                ("backlog", "backlog_remaining"),
+                ("job ms", "duration_ms"),
+                ("wall s", "wall_s"),
+            ],
+        )
+    )
+    say(
+        f"   run 2: the {runs[1].get('snapshots_written')} snapshots are re-upserts of the same "
         "counters (the date's snapshot is rewritten), no score changed\n"
-        "   run 3: " + runs[2].get("status", "?"))
+        "   run 3: " + runs[2].get("status", "?")
+    )
     with psycopg.connect(dsn) as conn:
         top = conn.execute(
             "SELECT 'PropertyObject', id::text, popularity_views, popularity_score "
             "FROM catalog.property_object_cards UNION ALL SELECT 'Project', id::text, "
             "popularity_views, popularity_score FROM catalog.project_cards "
-            "ORDER BY popularity_score DESC LIMIT 5").fetchall()
+            "ORDER BY popularity_score DESC LIMIT 5"
+        ).fetchall()
     say("most popular cards now (kind, id, views, score):")
     for kind, cid, views, score in top:
         say(f"  {kind:<15} {cid}  {views:>8}  {score}")
@@ -164,8 +225,10 @@ def main() -> int:
     os.environ.setdefault("PIN_LOG_LEVEL", "WARNING")
     devenv.apply_airflow_env(HOME)
     started = time.monotonic()
-    say(f"PostgreSQL: {'PIN_PG_DSN' if os.environ.get('PIN_PG_DSN') else 'embedded (.pgdata/)'}"
-        f"; Airflow home: {HOME.relative_to(devenv.REPO)} (SQLite metadata)")
+    say(
+        f"PostgreSQL: {'PIN_PG_DSN' if os.environ.get('PIN_PG_DSN') else 'embedded (.pgdata/)'}"
+        f"; Airflow home: {HOME.relative_to(devenv.REPO)} (SQLite metadata)"
+    )
     devenv.init_airflow(HOME)
     _quiet_library_logs()
     news_runs = news_demo()
@@ -174,9 +237,11 @@ def main() -> int:
     ok &= news_runs[2]["drift_corrected"] == 0
     ok &= catalog_runs[1]["property_object_cards_updated"] == 0
     ok &= catalog_runs[2]["snapshots_written"] == 0
-    say(f"\ndemo finished in {time.monotonic() - started:.0f} s at "
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC: "
-        f"{'all runs succeeded; the repeated runs changed nothing' if ok else 'FAILED'}")
+    say(
+        f"\ndemo finished in {time.monotonic() - started:.0f} s at "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC: "
+        f"{'all runs succeeded; the repeated runs changed nothing' if ok else 'FAILED'}"
+    )
     return 0 if ok else 1
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 import uuid
-from datetime import datetime, timedelta, timezone
-from typing import Iterable
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 
 from tools.devenv import run_sql_file
 
@@ -15,8 +15,9 @@ STATUSES = ("Visible", "HiddenByModerator", "DeletedByAuthor")
 def uuid7(ts: datetime, rnd: random.Random) -> uuid.UUID:
     """A version 7 uuid for instant ``ts`` (time-ordered), random bits from ``rnd``."""
     ms = int(ts.timestamp() * 1000) & ((1 << 48) - 1)
-    value = (ms << 80) | (0x7 << 76) | (rnd.getrandbits(12) << 64) | (0b10 << 62) \
-        | rnd.getrandbits(62)
+    value = (
+        (ms << 80) | (0x7 << 76) | (rnd.getrandbits(12) << 64) | (0b10 << 62) | rnd.getrandbits(62)
+    )
     return uuid.UUID(int=value)
 
 
@@ -37,15 +38,16 @@ def copy_rows(conn, table: str, columns: Iterable[str], rows: Iterable[tuple]) -
             cp.write_row(row)
 
 
-def load_news_demo(dsn: str, posts: int = 5000, seed: int = 7,
-                   now: datetime | None = None) -> dict[str, int]:
+def load_news_demo(
+    dsn: str, posts: int = 5000, seed: int = 7, now: datetime | None = None
+) -> dict[str, int]:
     """Posts over the last 60 days (5 % archived), Zipf-like comments (visible, hidden and
     deleted, some changed in the last day), counters kept by a simulated hot path, then ~3 % of
     the counters drifted. Returns what was made."""
     import psycopg
 
     rnd = random.Random(seed)
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     post_rows, comment_rows = [], []
     drifted = archived = recent = 0
     for i in range(posts):
@@ -73,16 +75,31 @@ def load_news_demo(dsn: str, posts: int = 5000, seed: int = 7,
         post_rows.append((pid, status, count, created))
     with psycopg.connect(dsn) as conn:
         copy_rows(conn, "news.posts", ("id", "status", "comments_count", "updated_at"), post_rows)
-        copy_rows(conn, "news.comments",
-                  ("id", "post_id", "status", "created_at", "updated_at"), comment_rows)
+        copy_rows(
+            conn,
+            "news.comments",
+            ("id", "post_id", "status", "created_at", "updated_at"),
+            comment_rows,
+        )
         conn.execute("ANALYZE news.posts")
         conn.execute("ANALYZE news.comments")
-    return {"posts": posts, "archived": archived, "comments": len(comment_rows),
-            "drifted": drifted, "comments_changed_recently": recent}
+    return {
+        "posts": posts,
+        "archived": archived,
+        "comments": len(comment_rows),
+        "drifted": drifted,
+        "comments_changed_recently": recent,
+    }
 
 
-def load_catalog_demo(dsn: str, as_of, property_objects: int = 3000, projects: int = 200,
-                      nights: int = 31, seed: int = 11) -> dict[str, int]:
+def load_catalog_demo(
+    dsn: str,
+    as_of,
+    property_objects: int = 3000,
+    projects: int = 200,
+    nights: int = 31,
+    seed: int = 11,
+) -> dict[str, int]:
     """Cards (85 % Published, 10 % Hidden, 5 % Delisted) with 31 nights of snapshot history
     before ``as_of`` (a few nights missed, as after an outage), today's counters a little
     higher, and two poison cards (NULL and negative counters)."""
@@ -95,11 +112,13 @@ def load_catalog_demo(dsn: str, as_of, property_objects: int = 3000, projects: i
     missed = {as_of - timedelta(days=d) for d in (9, 17, 18)}
     made = {"cards": 0, "snapshots": 0, "poison": 0}
     with psycopg.connect(dsn) as conn:
-        for kind, table, n in (("PropertyObject", "catalog.property_object_cards",
-                                property_objects), ("Project", "catalog.project_cards", projects)):
+        for kind, table, n in (
+            ("PropertyObject", "catalog.property_object_cards", property_objects),
+            ("Project", "catalog.project_cards", projects),
+        ):
             cards, snaps = [], []
             for i in range(n):
-                created = datetime(2026, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=i)
+                created = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i)
                 cid = uuid7(created, rnd)
                 status = rnd.choices(("Published", "Hidden", "Delisted"), (85, 10, 5))[0]
                 rate = rnd.paretovariate(1.5) * (20 if kind == "Project" else 3)
@@ -114,10 +133,18 @@ def load_catalog_demo(dsn: str, as_of, property_objects: int = 3000, projects: i
                     views = None if i == 0 else -1
                     made["poison"] += 1
                 cards.append((cid, status, views, 0, created))
-            copy_rows(conn, table, ("id", "status", "popularity_views", "popularity_score",
-                                    "updated_at"), cards)
-            copy_rows(conn, "catalog.popularity_daily_views",
-                      ("card_kind", "card_id", "run_date", "cumulative_views"), snaps)
+            copy_rows(
+                conn,
+                table,
+                ("id", "status", "popularity_views", "popularity_score", "updated_at"),
+                cards,
+            )
+            copy_rows(
+                conn,
+                "catalog.popularity_daily_views",
+                ("card_kind", "card_id", "run_date", "cumulative_views"),
+                snaps,
+            )
             made["cards"] += n
             made["snapshots"] += len(snaps)
         conn.execute("ANALYZE catalog.popularity_daily_views")

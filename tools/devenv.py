@@ -58,9 +58,13 @@ def airflow_connection(dsn: str) -> str:
     from psycopg.conninfo import conninfo_to_dict
 
     d = conninfo_to_dict(dsn)
-    conn = {"conn_type": "postgres", "host": d.get("host") or "localhost",
-            "login": d.get("user") or "postgres", "password": d.get("password") or "",
-            "schema": d.get("dbname") or "postgres"}
+    conn = {
+        "conn_type": "postgres",
+        "host": d.get("host") or "localhost",
+        "login": d.get("user") or "postgres",
+        "password": d.get("password") or "",
+        "schema": d.get("dbname") or "postgres",
+    }
     if d.get("port"):
         conn["port"] = int(d["port"])
     return json.dumps(conn)
@@ -78,24 +82,23 @@ def airflow_env(home: Path | None = None) -> dict[str, str]:
         "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("PIN_LOG_LEVEL", "INFO"),
         "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120",
         "PYTHONPATH": os.pathsep.join(
-            [str(REPO / "plugins"), str(REPO)] + [p for p in os.environ.get(
-                "PYTHONPATH", "").split(os.pathsep) if p]),
+            [str(REPO / "plugins"), str(REPO)]
+            + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
     }
 
 
 def apply_airflow_env(home: Path | None = None) -> dict[str, str]:
     env = airflow_env(home)
     os.environ.update(env)
-    for p in (str(REPO / "plugins"), str(REPO)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     return env
 
 
 def airflow_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("airflow")
-    return subprocess.run([str(exe), *args], env=os.environ.copy(), check=check,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [str(exe), *args], env=os.environ.copy(), check=check, capture_output=True, text=True
+    )
 
 
 def init_airflow(home: Path | None = None) -> None:
@@ -115,7 +118,9 @@ def run_sql_file(dsn: str, relpath: str) -> None:
     text = (REPO / "include" / "sql" / relpath).read_text()
     with psycopg.connect(dsn, autocommit=True) as conn:
         if "CONCURRENTLY" in text:  # one statement per call, outside a transaction
-            code = "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("--"))
+            code = "\n".join(
+                line for line in text.splitlines() if not line.lstrip().startswith("--")
+            )
             for stmt in filter(str.strip, code.split(";")):
                 conn.execute(stmt)
         else:

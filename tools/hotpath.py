@@ -26,9 +26,9 @@ import json
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Sequence
+from datetime import UTC, datetime
 
 import psycopg
 
@@ -36,13 +36,17 @@ from tools.demodata import uuid7
 
 REMOVED = ("HiddenByModerator", "DeletedByAuthor")
 
-INSERT_COMMENT = ("INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                  "VALUES (%s, %s, 'Visible', now(), now())")
-REMOVE_COMMENT = ("UPDATE news.comments SET status = %s, updated_at = now() "
-                  "WHERE id = (SELECT id FROM news.comments "
-                  "            WHERE post_id = %s AND status = 'Visible' "
-                  "            LIMIT 1 FOR UPDATE SKIP LOCKED) "
-                  "RETURNING id")
+INSERT_COMMENT = (
+    "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+    "VALUES (%s, %s, 'Visible', now(), now())"
+)
+REMOVE_COMMENT = (
+    "UPDATE news.comments SET status = %s, updated_at = now() "
+    "WHERE id = (SELECT id FROM news.comments "
+    "            WHERE post_id = %s AND status = 'Visible' "
+    "            LIMIT 1 FOR UPDATE SKIP LOCKED) "
+    "RETURNING id"
+)
 INCREMENT = "UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = %s"
 DECREMENT = "UPDATE news.posts SET comments_count = comments_count - 1 WHERE id = %s"
 
@@ -86,20 +90,34 @@ class HotPathStats:
         return sum(1 for t in self.commit_times if start <= t <= end)
 
     def brief(self) -> dict:
-        return {"threads": self.threads, "elapsed_s": round(self.elapsed_s, 2),
-                "committed": self.committed, "creates": self.creates, "removes": self.removes,
-                "tps": round(self.tps), "failures": len(self.failures),
-                "waits_over_5ms": self.waits,
-                "max_counter_update_ms": round(self.max_counter_update_ms, 1),
-                "posts_touched": len(self.touched)}
+        return {
+            "threads": self.threads,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "committed": self.committed,
+            "creates": self.creates,
+            "removes": self.removes,
+            "tps": round(self.tps),
+            "failures": len(self.failures),
+            "waits_over_5ms": self.waits,
+            "max_counter_update_ms": round(self.max_counter_update_ms, 1),
+            "posts_touched": len(self.touched),
+        }
 
 
 class HotPath:
     """Run the simulated hot path in background threads: ``start()`` ... ``stop()``."""
 
-    def __init__(self, dsn: str, post_ids: Sequence[str], hot_ids: Sequence[str] = (),
-                 threads: int = 4, hot_share: float = 0.5, remove_share: float = 0.4,
-                 seed: int = 1, record_touched: bool = True):
+    def __init__(
+        self,
+        dsn: str,
+        post_ids: Sequence[str],
+        hot_ids: Sequence[str] = (),
+        threads: int = 4,
+        hot_share: float = 0.5,
+        remove_share: float = 0.4,
+        seed: int = 1,
+        record_touched: bool = True,
+    ):
         if not post_ids:
             raise ValueError("the hot path needs posts to write to")
         self.dsn = dsn
@@ -118,7 +136,7 @@ class HotPath:
         self._stopped = 0.0
 
     # -- control -------------------------------------------------------------------------
-    def start(self, timeout: float = 30) -> "HotPath":
+    def start(self, timeout: float = 30) -> HotPath:
         for i in range(self.n_threads):
             t = threading.Thread(target=self._work, args=(i,), name=f"hotpath-{i}", daemon=True)
             t.start()
@@ -127,8 +145,9 @@ class HotPath:
             self._ready.wait(timeout)  # every thread is connected
         except threading.BrokenBarrierError:
             self._stop.set()
-            raise RuntimeError("hot path did not start: "
-                               f"{[f for s in self._stats for f in s.failures]}") from None
+            raise RuntimeError(
+                f"hot path did not start: {[f for s in self._stats for f in s.failures]}"
+            ) from None
         self._started = time.time()
         return self
 
@@ -147,7 +166,7 @@ class HotPath:
             stats.failures.append(f"threads still running after {timeout}s: {alive}")
         return stats
 
-    def __enter__(self) -> "HotPath":
+    def __enter__(self) -> HotPath:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -171,8 +190,11 @@ class HotPath:
             return
         try:
             while not self._stop.is_set():
-                post = (rnd.choice(self.hot_ids) if rnd.random() < self.hot_share
-                        else rnd.choice(self.post_ids))
+                post = (
+                    rnd.choice(self.hot_ids)
+                    if rnd.random() < self.hot_share
+                    else rnd.choice(self.post_ids)
+                )
                 try:
                     self._one(conn, st, rnd, post)
                 except Exception as exc:  # noqa: BLE001 - every failure is counted
@@ -193,7 +215,7 @@ class HotPath:
                 cur.execute(REMOVE_COMMENT, (rnd.choice(REMOVED), post))
                 removed = cur.fetchone() is not None
             if not removed:
-                cur.execute(INSERT_COMMENT, (str(uuid7(datetime.now(timezone.utc), rnd)), post))
+                cur.execute(INSERT_COMMENT, (str(uuid7(datetime.now(UTC), rnd)), post))
             t0 = time.perf_counter()
             cur.execute(DECREMENT if removed else INCREMENT, (post,))
             took = time.perf_counter() - t0
@@ -217,14 +239,16 @@ class HotPath:
         return HotPathStats(
             threads=self.n_threads,
             elapsed_s=(self._stopped or time.time()) - self._started,
-            committed=sum(x.committed for x in s), creates=sum(x.creates for x in s),
+            committed=sum(x.committed for x in s),
+            creates=sum(x.creates for x in s),
             removes=sum(x.removes for x in s),
             failures=[f for x in s for f in x.failures],
             counter_update_s=sum(x.counter_update_s for x in s),
             max_counter_update_ms=max((x.max_counter_update_s for x in s), default=0) * 1000,
             waits=sum(x.waits for x in s),
             touched=set().union(*(x.touched for x in s)),
-            commit_times=sorted(t for x in s for t in x.commit_times))
+            commit_times=sorted(t for x in s for t in x.commit_times),
+        )
 
 
 def _child(kwargs: dict, ready, stop, progress, out) -> None:
@@ -244,8 +268,7 @@ class HotPathProcess:
     """:class:`HotPath` in a process of its own (same interface): the simulated service and the
     process running the job then do not share a Python interpreter lock, as in production."""
 
-    def __init__(self, dsn: str, post_ids: Sequence[str], hot_ids: Sequence[str] = (),
-                 **kwargs):
+    def __init__(self, dsn: str, post_ids: Sequence[str], hot_ids: Sequence[str] = (), **kwargs):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
@@ -253,11 +276,19 @@ class HotPathProcess:
         self._progress = ctx.Value("q", 0, lock=False)
         self._out = ctx.Queue()
         self._proc = ctx.Process(
-            target=_child, daemon=True, name="hotpath",
-            args=({"dsn": dsn, "post_ids": list(post_ids), "hot_ids": list(hot_ids), **kwargs},
-                  self._ready, self._stop, self._progress, self._out))
+            target=_child,
+            daemon=True,
+            name="hotpath",
+            args=(
+                {"dsn": dsn, "post_ids": list(post_ids), "hot_ids": list(hot_ids), **kwargs},
+                self._ready,
+                self._stop,
+                self._progress,
+                self._out,
+            ),
+        )
 
-    def start(self, timeout: float = 60) -> "HotPathProcess":
+    def start(self, timeout: float = 60) -> HotPathProcess:
         self._proc.start()
         if not self._ready.wait(timeout):
             self._proc.kill()
@@ -281,7 +312,7 @@ class HotPathProcess:
             raise RuntimeError(f"hot path failed: {stats}")
         return stats
 
-    def __enter__(self) -> "HotPathProcess":
+    def __enter__(self) -> HotPathProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -300,13 +331,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--posts", type=int, default=10000, help="posts to spread over (newest)")
     args = ap.parse_args(argv)
     with psycopg.connect(args.dsn) as conn:
-        ids = [r[0] for r in conn.execute(
-            "SELECT id::text FROM news.posts WHERE status IS DISTINCT FROM 'Archived' "
-            "ORDER BY id DESC LIMIT %s", (args.posts,))]
+        ids = [
+            r[0]
+            for r in conn.execute(
+                "SELECT id::text FROM news.posts WHERE status IS DISTINCT FROM 'Archived' "
+                "ORDER BY id DESC LIMIT %s",
+                (args.posts,),
+            )
+        ]
     rnd = random.Random(0)
-    hp = HotPath(args.dsn, ids, rnd.sample(ids, min(args.hot, len(ids))), threads=args.threads,
-                 hot_share=args.hot_share, remove_share=args.remove_share,
-                 record_touched=False).start()
+    hp = HotPath(
+        args.dsn,
+        ids,
+        rnd.sample(ids, min(args.hot, len(ids))),
+        threads=args.threads,
+        hot_share=args.hot_share,
+        remove_share=args.remove_share,
+        record_touched=False,
+    ).start()
     time.sleep(args.seconds)
     stats = hp.stop()
     print(json.dumps(stats.brief(), indent=2))

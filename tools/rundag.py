@@ -21,9 +21,12 @@ def load_dag(dag_id: str):
     return bag.dags[dag_id]
 
 
-def run_dag(dag_id: str, conf: dict[str, Any] | None = None,
-            logical_date: datetime | None = None, run_after: datetime | None = None
-            ) -> dict[str, Any]:
+def run_dag(
+    dag_id: str,
+    conf: dict[str, Any] | None = None,
+    logical_date: datetime | None = None,
+    run_after: datetime | None = None,
+) -> dict[str, Any]:
     """Run the DAG once; return run id, state, task states and the summary XCom.
 
     Passing the ``logical_date`` and ``run_after`` of an earlier call runs the same DAG run
@@ -45,8 +48,9 @@ def run_dag(dag_id: str, conf: dict[str, Any] | None = None,
     return run_outcome(dag_id, dr.run_id)
 
 
-def clear_and_resume(dag_id: str, run_id: str, task_ids: list | None = None,
-                     only_failed: bool = True) -> dict[str, Any]:
+def clear_and_resume(
+    dag_id: str, run_id: str, task_ids: list | None = None, only_failed: bool = True
+) -> dict[str, Any]:
     """Clear task instances of an existing run and run what is then runnable, as the scheduler
     would after a data team clears tasks in the UI (``dag.test()`` can only re-create a whole
     run). ``task_ids`` (ids or ``(id, map_index)``) limits the clear, as clearing one task
@@ -65,11 +69,15 @@ def clear_and_resume(dag_id: str, run_id: str, task_ids: list | None = None,
     dag.deadline = None  # apache/airflow#73428, as in run_dag
     scheduler_dag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
     with create_session() as session:
-        scheduler_dag.clear(task_ids=task_ids, run_id=run_id, only_failed=only_failed,
-                            dag_run_state=DagRunState.RUNNING, session=session)
+        scheduler_dag.clear(
+            task_ids=task_ids,
+            run_id=run_id,
+            only_failed=only_failed,
+            dag_run_state=DagRunState.RUNNING,
+            session=session,
+        )
     with create_session() as session:
-        dr = session.query(DagRun).filter(DagRun.dag_id == dag_id,
-                                          DagRun.run_id == run_id).one()
+        dr = session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.run_id == run_id).one()
         dr.dag = scheduler_dag
         while dr.state == DagRunState.RUNNING:
             session.expire_all()
@@ -79,8 +87,11 @@ def clear_and_resume(dag_id: str, run_id: str, task_ids: list | None = None,
                     ti.try_number += 1
                 ti.state = TaskInstanceState.SCHEDULED
             session.commit()
-            scheduled = [ti for ti in dr.get_task_instances(session=session)
-                         if ti.state == TaskInstanceState.SCHEDULED]
+            scheduled = [
+                ti
+                for ti in dr.get_task_instances(session=session)
+                if ti.state == TaskInstanceState.SCHEDULED
+            ]
             if not scheduled:
                 time.sleep(0.2)
             for ti in scheduled:
@@ -98,14 +109,19 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        dr = session.query(DagRun).filter(DagRun.dag_id == dag_id,
-                                          DagRun.run_id == run_id).one()
+        dr = session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.run_id == run_id).one()
         tis = {}
         for ti in dr.get_task_instances(session=session):
             key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]"
             tis[key] = str(ti.state)
-        row = session.scalars(XComModel.get_many(run_id=dr.run_id, dag_ids=dag_id,
-                                                 task_ids="summarize", key="return_value")
-                              ).first()
-        return {"run_id": dr.run_id, "state": str(dr.state), "tasks": tis,
-                "summary": XComModel.deserialize_value(row) if row else None}
+        row = session.scalars(
+            XComModel.get_many(
+                run_id=dr.run_id, dag_ids=dag_id, task_ids="summarize", key="return_value"
+            )
+        ).first()
+        return {
+            "run_id": dr.run_id,
+            "state": str(dr.state),
+            "tasks": tis,
+            "summary": XComModel.deserialize_value(row) if row else None,
+        }

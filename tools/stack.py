@@ -22,33 +22,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stack_env(home: Path, metadata_dsn: str, port: int, extra: dict[str, str] | None = None
-              ) -> dict[str, str]:
+def stack_env(
+    home: Path, metadata_dsn: str, port: int, extra: dict[str, str] | None = None
+) -> dict[str, str]:
     """Environment of every Airflow process of the stack."""
     from psycopg.conninfo import conninfo_to_dict
 
     d = conninfo_to_dict(metadata_dsn)
     auth = d.get("user", "postgres") + (f":{d['password']}" if d.get("password") else "")
-    hostpart = f"{d['host']}:{d.get('port', 5432)}" if not str(d.get("host", "")).startswith(
-        "/") else ""
+    hostpart = (
+        f"{d['host']}:{d.get('port', 5432)}" if not str(d.get("host", "")).startswith("/") else ""
+    )
     query = f"?host={d['host']}" if not hostpart else ""
     env = {**os.environ, **devenv.airflow_env(home)}
-    env.update({
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN":
-            f"postgresql+psycopg2://{auth}@{hostpart}/{d['dbname']}{query}",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(port),
-        # the UI's address: alert messages link to runs under it
-        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-        "PYTHONWARNINGS": "ignore",
-    })
+    env.update(
+        {
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://{auth}@{hostpart}/{d['dbname']}{query}",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(port),
+            # the UI's address: alert messages link to runs under it
+            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            "PYTHONWARNINGS": "ignore",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -66,33 +69,37 @@ class Stack:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         exe = devenv.REPO / ".venv" / "bin" / "airflow"
-        return subprocess.run([str(exe), *args], env=self.env, check=True, capture_output=True,
-                              text=True)
+        return subprocess.run(
+            [str(exe), *args], env=self.env, check=True, capture_output=True, text=True
+        )
 
-    def start(self, timeout: float = 120) -> "Stack":
+    def start(self, timeout: float = 120) -> Stack:
         self.prepare()
         return self.launch(timeout)
 
-    def prepare(self) -> "Stack":
+    def prepare(self) -> Stack:
         """Migrate the metadata database and import the pools (slow CLI steps)."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.cli("db", "migrate")
         self.cli("pools", "import", str(devenv.REPO / "pools.json"))
         return self
 
-    def launch(self, timeout: float = 120) -> "Stack":
+    def launch(self, timeout: float = 120) -> Stack:
         """Start the components on a prepared metadata database; return once all are healthy."""
         exe = devenv.REPO / ".venv" / "bin" / "airflow"
         for name in self.COMPONENTS:
             log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - closed by the process
-            self.procs[name] = subprocess.Popen([str(exe), name], env=self.env, stdout=log,
-                                                stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(
+                [str(exe), name], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 health = self.get("/api/v2/monitor/health")
-                if all(health.get(c, {}).get("status") == "healthy"
-                       for c in ("metadatabase", "scheduler", "triggerer", "dag_processor")):
+                if all(
+                    health.get(c, {}).get("status") == "healthy"
+                    for c in ("metadatabase", "scheduler", "triggerer", "dag_processor")
+                ):
                     return self
             except (OSError, urllib.error.URLError):
                 pass
@@ -129,8 +136,9 @@ class Stack:
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 text = resp.read()
@@ -151,15 +159,17 @@ class Stack:
         raise TimeoutError(f"DAGs {dag_ids} not parsed; see {self.home}/dag-processor.log")
 
     def trigger(self, dag_id: str, conf: dict | None = None) -> str:
-        run = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
-                           {"logical_date": None, "conf": conf or {}})
+        run = self.request(
+            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}}
+        )
         return run["dag_run_id"]
 
     def run_state(self, dag_id: str, run_id: str) -> str:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")["state"]
 
-    def wait_run(self, dag_id: str, run_id: str, states=("success", "failed"),
-                 timeout: float = 180) -> str:
+    def wait_run(
+        self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 180
+    ) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state = self.run_state(dag_id, run_id)
@@ -170,5 +180,9 @@ class Stack:
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
         tis = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances?limit=100")
-        return {(t["task_id"] if t["map_index"] < 0 else f"{t['task_id']}[{t['map_index']}]"):
-                t["state"] for t in tis["task_instances"]}
+        return {
+            (t["task_id"] if t["map_index"] < 0 else f"{t['task_id']}[{t['map_index']}]"): t[
+                "state"
+            ]
+            for t in tis["task_instances"]
+        }

@@ -47,13 +47,24 @@ def run_url(base: str | None, dag_id: str | None, run_id: str | None) -> str:
     return f"{base}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
 
 
-def run_fields(name: str, description: str, dag_id: str | None, run_id: str | None,
-               run_state: str | None, base: str | None) -> dict[str, Any]:
+def run_fields(
+    name: str,
+    description: str,
+    dag_id: str | None,
+    run_id: str | None,
+    run_state: str | None,
+    base: str | None,
+) -> dict[str, Any]:
     """What every alert message carries: the alert's name and a one-line description of what
     was missed, the run and its state, a link to the run and the runbook section."""
-    return {"dag_id": dag_id, "run_id": run_id, "run_state": run_state or "unknown",
-            "description": description, "run_url": run_url(base, dag_id, run_id),
-            "runbook": f"README.md#{name}"}
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "run_state": run_state or "unknown",
+        "description": description,
+        "run_url": run_url(base, dag_id, run_id),
+        "runbook": f"README.md#{name}",
+    }
 
 
 def _webhook_url(conn_id: str) -> str | None:
@@ -80,11 +91,19 @@ def notify(kind: str, payload: dict[str, Any]) -> bool:
     url = _webhook_url(conn_id)
     body = {"alert": kind, **payload}
     if url is None:
-        log.error("alert %s: no notification channel is set (create Airflow connection %r): %s",
-                  kind, conn_id, json.dumps(body, default=str))
+        log.error(
+            "alert %s: no notification channel is set (create Airflow connection %r): %s",
+            kind,
+            conn_id,
+            json.dumps(body, default=str),
+        )
         return False
-    req = urllib.request.Request(url, data=json.dumps(body, default=str).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(  # noqa: S310 - the URL comes from the Airflow connection
+        url,
+        data=json.dumps(body, default=str).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - URL from config
             ok = 200 <= resp.status < 300
@@ -111,12 +130,31 @@ def drift_alert(dag_id: str, run_id: str, result: dict[str, Any], threshold: int
     from airflow.sdk.configuration import conf
 
     corrected = result["drift_corrected"]
-    log.error("drift spike: %s run %s corrected %s posts (threshold %s); look for a bug in the "
-              "hot-path increment (INV-CMT-005)", dag_id, run_id, corrected, threshold)
-    description = (f"the run corrected the comments_count of {corrected} posts, more than its "
-                   f"drift_alert_threshold of {threshold}: the hot-path increment has a bug")
-    notify("drift_above_threshold", {
-        **run_fields("drift_above_threshold", description, dag_id, run_id,
-                     _current_run_state(), base_url(conf)),
-        "drift_corrected": corrected, "threshold": threshold})
+    log.error(
+        "drift spike: %s run %s corrected %s posts (threshold %s); look for a bug in the "
+        "hot-path increment (INV-CMT-005)",
+        dag_id,
+        run_id,
+        corrected,
+        threshold,
+    )
+    description = (
+        f"the run corrected the comments_count of {corrected} posts, more than its "
+        f"drift_alert_threshold of {threshold}: the hot-path increment has a bug"
+    )
+    notify(
+        "drift_above_threshold",
+        {
+            **run_fields(
+                "drift_above_threshold",
+                description,
+                dag_id,
+                run_id,
+                _current_run_state(),
+                base_url(conf),
+            ),
+            "drift_corrected": corrected,
+            "threshold": threshold,
+        },
+    )
     metrics.incr("news_comment_reconcile_drift_alerts_total")

@@ -9,6 +9,7 @@ query; write ``popularity_score`` and ``updated_at`` only where the score change
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
@@ -16,10 +17,16 @@ import pendulum
 from airflow.sdk import Param
 
 from pin_nightly import jobs, keyset, metrics
-from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly import lease as leases
+from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly.jobs import (
-    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, rejoin_lease, release_lease,
+    LOCK_HELD,
+    JobDef,
+    elapsed_ms,
+    lease_from_xcom,
+    parse_uuids,
+    rejoin_lease,
+    release_lease,
     run_range_task,
 )
 
@@ -27,12 +34,27 @@ log = logging.getLogger(__name__)
 
 METRIC = "catalog_popularity_recompute"
 MAX_SCORE = 99999999.9999  # numeric(12,4)
-# The two passes, in order: card kind (as stored in popularity_daily_views) -> cards table.
-# Table names come from this constant only, never from input.
-KINDS: dict[str, str] = {
-    "PropertyObject": "catalog.property_object_cards",
-    "Project": "catalog.project_cards",
-}
+
+
+@dataclass(frozen=True)
+class CardKind:
+    name: str  # as stored in popularity_daily_views.card_kind
+    table: str  # its cards table: table names come from this constant only, never from input
+    tasks: str  # the DAG's tasks of its pass: plan_<tasks>, recompute_<tasks>
+    result: str  # prefix of its fields in the run's result: <result>_updated, ...
+
+
+# The two passes, in order.
+CARD_KINDS = (
+    CardKind(
+        "PropertyObject",
+        "catalog.property_object_cards",
+        "property_objects",
+        "property_object_cards",
+    ),
+    CardKind("Project", "catalog.project_cards", "projects", "project_cards"),
+)
+KINDS: dict[str, CardKind] = {k.name: k for k in CARD_KINDS}
 CARD_COLUMNS = ["id", "status", "popularity_views", "popularity_score", "updated_at"]
 
 JOB = JobDef(
@@ -40,9 +62,11 @@ JOB = JobDef(
     dag_id="catalog_popularity_recompute",
     conn_id="catalog_db",
     lock_key="Pin:lock:job:scheduled:catalog-popularity-recompute",
-    domain_columns={table: CARD_COLUMNS for table in KINDS.values()},
-    owned_ddl=[("pin_nightly.news_skipped_post", "schema/pin_nightly"),
-               ("catalog.popularity_daily_views", "schema/catalog_popularity")],
+    domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
+    owned_ddl=[
+        ("pin_nightly.news_skipped_post", "schema/pin_nightly"),
+        ("catalog.popularity_daily_views", "schema/catalog_popularity"),
+    ],
 )
 
 # Upper bounds: larger values overflow PostgreSQL's dates/timestamps/bigints half-way through
@@ -57,31 +81,56 @@ _MAX_TTL_MINUTES = 14 * 24 * 60
 # rules across options.
 PARAMS = {
     "window_days": Param(
-        30, type="integer", minimum=1, maximum=_MAX_WINDOW_DAYS,
+        30,
+        type="integer",
+        minimum=1,
+        maximum=_MAX_WINDOW_DAYS,
         description=f"Window W in days, an integer from 1 to {_MAX_WINDOW_DAYS} (retention "
-                    "always keeps the nightly 30 days + 2)"),
+        "always keeps the nightly 30 days + 2)",
+    ),
     "half_life_days": Param(
-        7, type="number", exclusiveMinimum=0,
-        description="Half-life H of a day's views, in days (a number > 0)"),
+        7,
+        type="number",
+        exclusiveMinimum=0,
+        description="Half-life H of a day's views, in days (a number > 0)",
+    ),
     "batch_size": Param(
-        1000, type="integer", minimum=1, maximum=_MAX_BATCH,
-        description=f"Cards per batch, an integer from 1 to {_MAX_BATCH}"),
+        1000,
+        type="integer",
+        minimum=1,
+        maximum=_MAX_BATCH,
+        description=f"Cards per batch, an integer from 1 to {_MAX_BATCH}",
+    ),
     "max_run_duration_minutes": Param(
-        30, type="number", exclusiveMinimum=0, maximum=_MAX_RUN_MINUTES,
+        30,
+        type="number",
+        exclusiveMinimum=0,
+        maximum=_MAX_RUN_MINUTES,
         description=f"Time budget: no batch starts later than this after the lease is taken; "
-                    f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}"),
+        f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}",
+    ),
     "lock_ttl_minutes": Param(
-        45, type="number", exclusiveMinimum=0, maximum=_MAX_TTL_MINUTES,
-        description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
+        45,
+        type="number",
+        exclusiveMinimum=0,
+        maximum=_MAX_TTL_MINUTES,
+        description="Lease TTL in minutes; must exceed max_run_duration_minutes",
+    ),
     "card_ids": Param(
-        [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
+        [],
+        type="array",
+        items={"type": "string", "pattern": jobs.UUID_PATTERN},
         description="Targeted recompute of just these cards (either kind): one uuid per line, "
-                    "e.g. 0190a000-0000-7000-8000-000000000000"),
+        "e.g. 0190a000-0000-7000-8000-000000000000",
+    ),
     "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
     "max_ranges": Param(
-        8, type="integer", minimum=1, maximum=64,
-        description="Upper bound of keyset ranges (mapped tasks) per pass, an integer from 1 "
-                    "to 64"),
+        8,
+        type="integer",
+        minimum=1,
+        maximum=64,
+        description="Upper bound of keyset ranges (mapped tasks) per pass, an integer from 1 to 64",
+    ),
 }
 DEFAULTS: dict[str, Any] = {name: param.value for name, param in PARAMS.items()}
 # Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
@@ -90,12 +139,16 @@ RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
 
 
 # In a dry run these stay 0 in the result; dry_run_report holds what the run would have done.
-DRY_RUN_FIELDS = ("property_object_cards_updated", "project_cards_updated", "snapshots_written",
-                  "snapshots_pruned")
+DRY_RUN_FIELDS = (
+    "property_object_cards_updated",
+    "project_cards_updated",
+    "snapshots_written",
+    "snapshots_pruned",
+)
 
 
 def card_sql(name: str, kind: str) -> str:
-    return sql(f"catalog/{name}").replace("{cards}", KINDS[kind])
+    return sql(f"catalog/{name}").replace("{cards}", KINDS[kind].table)
 
 
 def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str, Any]:
@@ -107,14 +160,22 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
         errors.append(
             f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
-            f"({p['max_run_duration_minutes']}): the lock must outlive the run")
+            f"({p['max_run_duration_minutes']}): the lock must outlive the run"
+        )
     if errors:
         raise JobConfigError("invalid options: " + "; ".join(errors))
     instant = pendulum.instance(run_instant).in_timezone("UTC")
     opts = {**p, "card_ids": card_ids, "as_of_date": instant.date().isoformat()}
-    log.info("run started: as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
-             "dry_run=%s card_ids=%d", opts["as_of_date"], p["window_days"],
-             p["half_life_days"], p["batch_size"], p["dry_run"], len(card_ids))
+    log.info(
+        "run started: as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
+        "dry_run=%s card_ids=%d",
+        opts["as_of_date"],
+        p["window_days"],
+        p["half_life_days"],
+        p["batch_size"],
+        p["dry_run"],
+        len(card_ids),
+    )
     return opts
 
 
@@ -127,8 +188,9 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
     return None
 
 
-def plan_ranges(kind: str, opts: dict[str, Any], lease_data: dict[str, Any],
-                run_id: str) -> list[dict[str, Any]]:
+def plan_ranges(
+    kind: str, opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
+) -> list[dict[str, Any]]:
     """Open (or adopt) the sweep of one card kind for as_of_date; return its ranges."""
     if lease_from_xcom(lease_data) is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
@@ -136,22 +198,32 @@ def plan_ranges(kind: str, opts: dict[str, Any], lease_data: dict[str, Any],
     targeted = bool(opts["card_ids"])
     suffix = (" targeted" if targeted else "") + (" (dry run)" if opts["dry_run"] else "")
     spec = keyset.SweepSpec(
-        job=JOB.code, scope=f"{kind}@{opts['as_of_date']}{suffix}", family=kind,
+        job=JOB.code,
+        scope=f"{kind}@{opts['as_of_date']}{suffix}",
+        family=kind,
         resumable=not targeted and not opts["dry_run"],
-        params={"as_of_date": opts["as_of_date"], "card_ids": len(opts["card_ids"])})
+        params={"as_of_date": opts["as_of_date"], "card_ids": len(opts["card_ids"])},
+    )
     with connection(JOB.conn_id) as conn:
         with transaction(conn) as cur:
             newest = _backfill_guard(cur, opts)
         if newest is not None:
-            log.warning("as_of_date %s is older than the newest stored snapshot (%s): this run "
-                        "writes nothing (history is never rewritten)", opts["as_of_date"], newest)
+            log.warning(
+                "as_of_date %s is older than the newest stored snapshot (%s): this run "
+                "writes nothing (history is never rewritten)",
+                opts["as_of_date"],
+                newest,
+            )
             return []
 
-        def plan(cur, sweep):
+        def plan(cur, _sweep):
             return keyset.boundaries(
-                cur, card_sql("source", kind).strip(),
+                cur,
+                card_sql("source", kind).strip(),
                 {"targeted": targeted, "card_ids": opts["card_ids"]},
-                opts["batch_size"], opts["max_ranges"])
+                opts["batch_size"],
+                opts["max_ranges"],
+            )
 
         sweep = keyset.open_sweep(conn, spec, run_id, plan)
     return keyset.range_descriptors(sweep, kind)
@@ -167,8 +239,16 @@ def make_batch(kind: str, opts: dict[str, Any]):
         if only_ids:
             cur.execute(ids_sql, {"ids": only_ids})
         else:
-            cur.execute(lock_sql, {"after_id": after_id, "upper_id": upper_id, "limit": limit,
-                                   "targeted": targeted, "card_ids": opts["card_ids"]})
+            cur.execute(
+                lock_sql,
+                {
+                    "after_id": after_id,
+                    "upper_id": upper_id,
+                    "limit": limit,
+                    "targeted": targeted,
+                    "card_ids": opts["card_ids"],
+                },
+            )
         rows = fetch_dicts(cur)
         if not rows:
             return keyset.Batch(last_id=None, full=False)
@@ -176,8 +256,13 @@ def make_batch(kind: str, opts: dict[str, Any]):
         skipped = [r["id"] for r in rows if not r["locked"]]
         poison = [r for r in locked if r["views"] is None or r["views"] < 0]
         for r in poison:
-            log.error("item failed: card_kind=%s card_id=%s: popularity_views is %s; no snapshot "
-                      "and no score written", kind, r["id"], r["views"])
+            log.error(
+                "item failed: card_kind=%s card_id=%s: popularity_views is %s; no snapshot "
+                "and no score written",
+                kind,
+                r["id"],
+                r["views"],
+            )
         out = {"snapshots_written": 0, "cards_updated": 0, "overflow_ids": []}
         if len(locked) > len(poison):
             if opts["dry_run"]:
@@ -185,31 +270,56 @@ def make_batch(kind: str, opts: dict[str, Any]):
             # the generic plan of this statement is ~20 % slower than a custom one, and
             # planning it is cheap next to executing it (bench/RESULTS.md)
             cur.execute(sql("common/custom_plans"))
-            cur.execute(apply_sql, {
-                "ids": [r["id"] for r in locked], "views": [r["views"] for r in locked],
-                "kind": kind, "as_of": opts["as_of_date"], "window_days": opts["window_days"],
-                "half_life": opts["half_life_days"]})
+            cur.execute(
+                apply_sql,
+                {
+                    "ids": [r["id"] for r in locked],
+                    "views": [r["views"] for r in locked],
+                    "kind": kind,
+                    "as_of": opts["as_of_date"],
+                    "window_days": opts["window_days"],
+                    "half_life": opts["half_life_days"],
+                },
+            )
             out = fetch_one_dict(cur)
             if opts["dry_run"]:
                 cur.execute(sql("common/rollback_to_savepoint"))
         for card_id in out["overflow_ids"]:
-            log.error("item failed: card_kind=%s card_id=%s: score does not fit numeric(12,4) "
-                      "(> %s); score not written", kind, card_id, MAX_SCORE)
+            log.error(
+                "item failed: card_kind=%s card_id=%s: score does not fit numeric(12,4) "
+                "(> %s); score not written",
+                kind,
+                card_id,
+                MAX_SCORE,
+            )
         errors = len(poison) + len(out["overflow_ids"])
         log.debug("batch %s: rows=%d updated=%d", kind, len(locked), out["cards_updated"])
-        return keyset.Batch(last_id=rows[-1]["id"], full=len(rows) >= limit,
-                            processed=len(locked), changed=int(out["cards_updated"]),
-                            written=int(out["snapshots_written"]), item_errors=errors,
-                            skipped_ids=skipped)
+        return keyset.Batch(
+            last_id=rows[-1]["id"],
+            full=len(rows) >= limit,
+            processed=len(locked),
+            changed=int(out["cards_updated"]),
+            written=int(out["snapshots_written"]),
+            item_errors=errors,
+            skipped_ids=skipped,
+        )
 
     return batch
 
 
-def recompute_range(kind: str, rng: dict[str, Any], opts: dict[str, Any],
-                    lease_data: dict[str, Any], run_id: str) -> dict[str, Any]:
+def recompute_range(
+    kind: str, rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
+) -> dict[str, Any]:
     """One mapped task: snapshot and rescore the cards of a keyset range."""
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], make_batch(kind, opts),
-                          run_id, span_attributes={"pin.card_kind": kind})
+    return run_range_task(
+        JOB,
+        rng,
+        lease_data,
+        opts["batch_size"],
+        make_batch(kind, opts),
+        run_id,
+        span_attributes={"pin.card_kind": kind},
+    )
 
 
 def retention_days(opts: dict[str, Any]) -> int:
@@ -240,14 +350,19 @@ def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
         else:
             cur.execute(sql("catalog/retention"), params)
             pruned = cur.rowcount
-    log.info("retention: %d snapshot(s) older than %s - %d days %s", pruned,
-             opts["as_of_date"], keep + 2,
-             "would be pruned (dry run)" if opts["dry_run"] else "pruned")
+    log.info(
+        "retention: %d snapshot(s) older than %s - %d days %s",
+        pruned,
+        opts["as_of_date"],
+        keep + 2,
+        "would be pruned (dry run)" if opts["dry_run"] else "pruned",
+    )
     return pruned
 
 
-def summarize(opts: dict[str, Any], pruned: int | None, lease_data: dict[str, Any] | None,
-              run_id: str) -> dict[str, Any]:
+def summarize(
+    opts: dict[str, Any], pruned: int | None, lease_data: dict[str, Any] | None, run_id: str
+) -> dict[str, Any]:
     """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
 
     ``status`` is ``success`` only when both passes of ``as_of_date`` completed and no sweep is
@@ -256,13 +371,24 @@ def summarize(opts: dict[str, Any], pruned: int | None, lease_data: dict[str, An
     """
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
-        "status": "success", "as_of_date": opts["as_of_date"], "dry_run": opts["dry_run"],
-        "property_object_cards_updated": 0, "project_cards_updated": 0,
-        "property_object_cards_processed": 0, "project_cards_processed": 0,
-        "snapshots_written": 0, "snapshots_pruned": pruned or 0, "item_errors": 0,
-        "property_object_cards_skipped_locked": 0, "project_cards_skipped_locked": 0,
-        "backlog_remaining": False, "duration_ms": 0, "run_id": run_id,
-        "scores_as_of_date": None, "score_staleness_hours": None, "unfinished_sweeps": [],
+        "status": "success",
+        "as_of_date": opts["as_of_date"],
+        "dry_run": opts["dry_run"],
+        "property_object_cards_updated": 0,
+        "project_cards_updated": 0,
+        "property_object_cards_processed": 0,
+        "project_cards_processed": 0,
+        "snapshots_written": 0,
+        "snapshots_pruned": pruned or 0,
+        "item_errors": 0,
+        "property_object_cards_skipped_locked": 0,
+        "project_cards_skipped_locked": 0,
+        "backlog_remaining": False,
+        "duration_ms": 0,
+        "run_id": run_id,
+        "scores_as_of_date": None,
+        "score_staleness_hours": None,
+        "unfinished_sweeps": [],
     }
     scored = None
     with connection(JOB.conn_id) as conn:
@@ -271,14 +397,15 @@ def summarize(opts: dict[str, Any], pruned: int | None, lease_data: dict[str, An
         else:
             totals, unfinished = keyset.finish_run(conn, JOB.code, run_id)
             for t in totals:
-                p = PREFIX[t["family"]]
+                p = KINDS[t["family"]].result
                 result[f"{p}_updated"] += t["rows_changed"]
                 result[f"{p}_processed"] += t["rows_processed"]
                 result[f"{p}_skipped_locked"] += t["skipped_locked"]
                 result["snapshots_written"] += t["rows_written"]
                 result["item_errors"] += t["item_errors"]
-            result["unfinished_sweeps"] = [f"{u['scope']} (sweep {u['sweep_id']})"
-                                           for u in unfinished]
+            result["unfinished_sweeps"] = [
+                f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished
+            ]
             result["backlog_remaining"] = bool(unfinished)
             with transaction(conn) as cur:
                 newest = _backfill_guard(cur, opts)
@@ -295,14 +422,17 @@ def summarize(opts: dict[str, Any], pruned: int | None, lease_data: dict[str, An
             if opts["dry_run"]:  # nothing was written: report what would have been
                 result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
                 result.update({k: 0 for k in DRY_RUN_FIELDS})
-        keyset.write_run_log(conn, JOB.code, run_id, result["status"], result,
-                             lease.acquired_at if lease else None)
-    log.info("run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
-             "ProjectCardsUpdated=%(project_cards_updated)s "
-             "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
-             "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
-             "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
-             result)
+        keyset.write_run_log(
+            conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
+        )
+    log.info(
+        "run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
+        "ProjectCardsUpdated=%(project_cards_updated)s "
+        "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
+        "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
+        "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
+        result,
+    )
     if lease is not None:
         release_lease(JOB, lease_data)
         if not opts["dry_run"]:
@@ -310,13 +440,12 @@ def summarize(opts: dict[str, Any], pruned: int | None, lease_data: dict[str, An
     return result
 
 
-PREFIX = {"PropertyObject": "property_object_cards", "Project": "project_cards"}
-
-
 def _emit(result: dict[str, Any], scored: dict[str, Any] | None, targeted: bool) -> None:
     metrics.timing(f"{METRIC}_duration_seconds", result["duration_ms"])
-    for kind, p in PREFIX.items():
-        metrics.incr(f"{METRIC}_cards_total", result[f"{p}_processed"], tags={"card_kind": kind})
+    for k in CARD_KINDS:
+        metrics.incr(
+            f"{METRIC}_cards_total", result[f"{k.result}_processed"], tags={"card_kind": k.name}
+        )
     metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_written"], tags={"op": "written"})
     metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_pruned"], tags={"op": "pruned"})
     metrics.incr(f"{METRIC}_errors_total", result["item_errors"])

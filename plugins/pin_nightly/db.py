@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +34,35 @@ def sql_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "include" / "sql"
 
 
-@functools.lru_cache(maxsize=None)
+_NAME = re.compile(r"^-- name: (\w+)[ \t]*$", re.M)
+
+
+@functools.cache
+def _statements(directory: str) -> dict[str, str]:
+    """The statements of ``include/sql/<directory>``: a file is one statement named by its stem,
+    or a set of named statements, each under a ``-- name: <name>`` line."""
+    out: dict[str, str] = {}
+    for path in sorted((sql_dir() / directory).glob("*.sql")):
+        text = path.read_text(encoding="utf-8")
+        parts = _NAME.split(text)
+        named = dict(zip(parts[1::2], (body.strip() + "\n" for body in parts[2::2])))
+        for name, body in named.items() if named else [(path.stem, text)]:
+            if name in out:
+                raise ValueError(f"SQL statement {directory}/{name} is defined twice ({path})")
+            out[name] = body
+    return out
+
+
 def sql(name: str) -> str:
-    """The text of ``include/sql/<name>.sql``."""
-    path = sql_dir() / f"{name}.sql"
+    """The statement ``include/sql/<directory>/<name>``: a file of that name, or a named block
+    of a file in that directory."""
+    directory, _, statement = name.rpartition("/")
     try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:  # a packaging error, say where we looked
-        raise FileNotFoundError(f"SQL file {path} is missing (set PIN_SQL_DIR?)") from exc
+        return _statements(directory)[statement]
+    except KeyError:  # a packaging error, say where we looked
+        raise FileNotFoundError(
+            f"SQL statement {name!r} not found in {sql_dir() / directory} (set PIN_SQL_DIR?)"
+        ) from None
 
 
 def connect(conn_id: str):
@@ -67,8 +90,7 @@ def connect(conn_id: str):
         conn = hook.get_conn()
     except Exception as exc:  # noqa: BLE001 - re-raised with the connection named
         raise DatabaseUnavailable(
-            f"cannot connect to the database of Airflow connection {conn_id!r}: "
-            f"{str(exc).strip()}"
+            f"cannot connect to the database of Airflow connection {conn_id!r}: {str(exc).strip()}"
         ) from exc
     conn.autocommit = False
     return conn
@@ -82,7 +104,7 @@ def connection(conn_id: str) -> Iterator[Any]:
     finally:
         try:
             conn.rollback()
-        except Exception:  # noqa: BLE001 - the connection may already be broken
+        except Exception:  # noqa: BLE001, S110 - the connection may already be broken
             pass
         conn.close()
 
@@ -135,7 +157,8 @@ def ensure_schema(conn, probe: str, ddl_name: str) -> bool:
                 raise
             raise JobConfigError(
                 f"job-owned table {probe} does not exist and this role may not create it: a DBA "
-                f"applies include/sql/{ddl_name}.sql, then include/sql/schema/roles.sql") from exc
+                f"applies include/sql/{ddl_name}.sql, then include/sql/schema/roles.sql"
+            ) from exc
     return True
 
 
@@ -155,6 +178,7 @@ def check_columns(conn, table: str, columns: list[str]) -> None:
 def has_index_on(conn, table: str, expression_fragment: str) -> bool:
     """Whether some index of ``table`` has ``expression_fragment`` in its definition."""
     with transaction(conn) as cur:
-        cur.execute(sql("common/index_count"),
-                    {"table": table, "pattern": f"%{expression_fragment}%"})
+        cur.execute(
+            sql("common/index_count"), {"table": table, "pattern": f"%{expression_fragment}%"}
+        )
         return cur.fetchone()[0] > 0

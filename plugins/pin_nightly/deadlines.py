@@ -57,15 +57,22 @@ def deadline_alerts(dag_id: str, run_budget_minutes: float) -> list:
         DeadlineAlert(
             reference=DeadlineReference.DAGRUN_QUEUED_AT,
             interval=budget,
-            callback=AsyncCallback(deadline_missed, kwargs={
-                "alert": "run_over_budget", "interval_seconds": int(budget.total_seconds())}),
+            callback=AsyncCallback(
+                deadline_missed,
+                kwargs={
+                    "alert": "run_over_budget",
+                    "interval_seconds": int(budget.total_seconds()),
+                },
+            ),
             name="run_over_budget",
         ),
         DeadlineAlert(
             reference=DeadlineReference.DAGRUN_LOGICAL_DATE,
             interval=stale,
-            callback=AsyncCallback(deadline_missed, kwargs={
-                "alert": "no_success_26h", "interval_seconds": int(stale.total_seconds())}),
+            callback=AsyncCallback(
+                deadline_missed,
+                kwargs={"alert": "no_success_26h", "interval_seconds": int(stale.total_seconds())},
+            ),
             name="no_success_26h",
         ),
     ]
@@ -74,9 +81,9 @@ def deadline_alerts(dag_id: str, run_budget_minutes: float) -> list:
 # what each deadline means, in one line ({span}: its interval in this deployment)
 MISSED = {
     "run_over_budget": "the run had not finished {span} after it was queued (its time budget "
-                       "and a margin)",
+    "and a margin)",
     "no_success_26h": "the run had not succeeded {span} after its logical date {logical_date}: "
-                      "the job's data is stale",
+    "the job's data is stale",
 }
 
 
@@ -95,8 +102,12 @@ def _iso(value: Any) -> str | None:
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
-def describe(alert: str, context: dict[str, Any] | None, interval_seconds: float | None = None,
-             base_url: str | None = None) -> dict[str, Any]:
+def describe(
+    alert: str,
+    context: dict[str, Any] | None,
+    interval_seconds: float | None = None,
+    base_url: str | None = None,
+) -> dict[str, Any]:
     """The alert message of a missed deadline, from the context the scheduler gives its
     callback (the run as the REST API shows it, and the deadline)."""
     run = (context or {}).get("dag_run") or {}
@@ -106,26 +117,38 @@ def describe(alert: str, context: dict[str, Any] | None, interval_seconds: float
     run_id = run.get("dag_run_id") or run.get("run_id")
     logical_date = run.get("logical_date")
     description = MISSED.get(alert, "the run missed its deadline ({span})").format(
-        span=_span(interval_seconds), logical_date=logical_date)
+        span=_span(interval_seconds), logical_date=logical_date
+    )
     return {
         "deadline_alert": alert,
         **alerts.run_fields(alert, description, dag_id, run_id, state, base_url),
         "logical_date": logical_date,
         "deadline": _iso(deadline.get("deadline_time")),
-        "note": ("the run failed: its data is stale all the same" if state == "failed"
-                 else "the run had not succeeded by its deadline"),
+        "note": (
+            "the run failed: its data is stale all the same"
+            if state == "failed"
+            else "the run had not succeeded by its deadline"
+        ),
     }
 
 
-async def deadline_missed(alert: str, context: dict[str, Any] | None = None,
-                          interval_seconds: float | None = None, **_: Any) -> None:
+async def deadline_missed(
+    alert: str,
+    context: dict[str, Any] | None = None,
+    interval_seconds: float | None = None,
+    **_: Any,
+) -> None:
     """Deadline callback (runs in the triggerer): log at ERROR, notify, count."""
     from airflow.configuration import conf
 
     info = describe(alert, context, interval_seconds, alerts.base_url(conf))
-    log.error("deadline missed (%(deadline_alert)s): dag=%(dag_id)s run=%(run_id)s "
-              "state=%(run_state)s deadline=%(deadline)s; %(description)s; %(note)s; "
-              "%(run_url)s", info)
+    log.error(
+        "deadline missed (%(deadline_alert)s): dag=%(dag_id)s run=%(run_id)s "
+        "state=%(run_state)s deadline=%(deadline)s; %(description)s; %(note)s; "
+        "%(run_url)s",
+        info,
+    )
     await asyncio.to_thread(alerts.notify, "deadline_missed", info)
-    metrics.incr("pin_nightly_deadline_missed_total",
-                 tags={"dag_id": str(info["dag_id"]), "alert": alert})
+    metrics.incr(
+        "pin_nightly_deadline_missed_total", tags={"dag_id": str(info["dag_id"]), "alert": alert}
+    )

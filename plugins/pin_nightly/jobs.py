@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pin_nightly import keyset, metrics, tracing
@@ -35,7 +35,7 @@ class JobDef:
 def run_instant(logical_date: datetime | None, run_after: datetime | None) -> datetime:
     """The instant a run is about: its logical date, or when it was due to run (a manual run
     triggered without a logical date)."""
-    return logical_date or run_after or datetime.now(timezone.utc)
+    return logical_date or run_after or datetime.now(UTC)
 
 
 def preflight(conn, job: JobDef) -> list[str]:
@@ -47,8 +47,10 @@ def preflight(conn, job: JobDef) -> list[str]:
     warnings = []
     for table, fragment, name in job.recommended_indexes:
         if not has_index_on(conn, table, fragment):
-            msg = (f"recommended index {name} on {table} is missing: the job stays correct "
-                   "but slower (include/sql/schema/ has the migration)")
+            msg = (
+                f"recommended index {name} on {table} is missing: the job stays correct "
+                "but slower (include/sql/schema/ has the migration)"
+            )
             log.warning(msg)
             warnings.append(msg)
     return warnings
@@ -64,19 +66,35 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, A
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
         try:
-            got = leases.acquire(conn, job.lock_key, holder, opts["lock_ttl_minutes"],
-                                 opts["max_run_duration_minutes"])
+            got = leases.acquire(
+                conn,
+                job.lock_key,
+                holder,
+                opts["lock_ttl_minutes"],
+                opts["max_run_duration_minutes"],
+            )
         except BaseException:
             # the lease may be written and this task still fail (the connection lost after the
             # commit): the run's teardown does not run when its setup failed, so free it here
             leases.release_holder(conn, job.lock_key, holder)
             raise
     if isinstance(got, leases.LeaseHeld):
-        log.warning("%s: %s (key=%s holder=%s expires_at=%s)", job.code, LOCK_HELD,
-                    job.lock_key, got.holder, got.expires_at)
+        log.warning(
+            "%s: %s (key=%s holder=%s expires_at=%s)",
+            job.code,
+            LOCK_HELD,
+            job.lock_key,
+            got.holder,
+            got.expires_at,
+        )
         return {"acquired": False, "holder": got.holder, "expires_at": got.expires_at}
-    log.info("lease %s acquired by %s (token %s); run deadline %s", job.lock_key, holder,
-             got.token, got.run_deadline_at)
+    log.info(
+        "lease %s acquired by %s (token %s); run deadline %s",
+        job.lock_key,
+        holder,
+        got.token,
+        got.run_deadline_at,
+    )
     return {**got.to_xcom(), "acquired": True, "warnings": warnings}
 
 
@@ -84,9 +102,20 @@ def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
     """The lease this run holds, or None when it did not get it."""
     if not data or not data.get("acquired"):
         return None
-    return leases.Lease.from_xcom({k: data[k] for k in
-                                   ("lock_key", "holder", "token", "acquired_at",
-                                    "run_deadline_at", "ttl_minutes", "max_run_minutes")})
+    return leases.Lease.from_xcom(
+        {
+            k: data[k]
+            for k in (
+                "lock_key",
+                "holder",
+                "token",
+                "acquired_at",
+                "run_deadline_at",
+                "ttl_minutes",
+                "max_run_minutes",
+            )
+        }
+    )
 
 
 def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
@@ -104,9 +133,14 @@ def task_failed(metric: str, context: dict[str, Any]) -> None:
     """on_failure_callback / on_retry_callback of every task of a job's DAG: every failed task
     attempt counts in ``<metric>_errors_total``, whichever task it is."""
     ti = context.get("task_instance") or context.get("ti")
-    log.error("task failed: %s.%s map_index=%s try=%s: %s", getattr(ti, "dag_id", "?"),
-              getattr(ti, "task_id", "?"), getattr(ti, "map_index", "?"),
-              getattr(ti, "try_number", "?"), context.get("exception"))
+    log.error(
+        "task failed: %s.%s map_index=%s try=%s: %s",
+        getattr(ti, "dag_id", "?"),
+        getattr(ti, "task_id", "?"),
+        getattr(ti, "map_index", "?"),
+        getattr(ti, "try_number", "?"),
+        context.get("exception"),
+    )
     metrics.incr(f"{metric}_errors_total")
 
 
@@ -114,7 +148,7 @@ def elapsed_ms(lease: leases.Lease | None) -> int:
     if lease is None:
         return 0
     started = datetime.fromisoformat(lease.acquired_at)
-    return int((datetime.now(timezone.utc) - started).total_seconds() * 1000)
+    return int((datetime.now(UTC) - started).total_seconds() * 1000)
 
 
 def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
@@ -142,28 +176,64 @@ def rejoin_lease(job: JobDef, lease_data: dict[str, Any] | None) -> leases.Lease
         return leases.rejoin(conn, lease)
 
 
-def run_range_task(job: JobDef, rng: dict[str, Any], lease_data: dict[str, Any],
-                   batch_size: int, batch: keyset.BatchFn, run_id: str,
-                   span_attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+def _range_start(
+    job: JobDef, rng: dict[str, Any], batch_size: int, run_id: str, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "pin.job": job.dag_id,
+        "pin.job_run_id": run_id,
+        "pin.sweep_id": rng["sweep_id"],
+        "pin.scope": rng["family"],
+        "pin.range": rng["label"],
+        "pin.range_no": rng["range_no"],
+        "pin.batch_size": batch_size,
+        **(extra or {}),
+    }
+
+
+def _range_result(res: keyset.RangeResult) -> dict[str, Any]:
+    return {
+        "pin.range.status": res.status,
+        "pin.range.batches": res.batches,
+        "pin.range.rows": res.processed,
+        "pin.range.updated_count": res.changed,
+        "pin.range.skipped_locked": res.skipped_locked,
+        "pin.range.item_errors": res.item_errors,
+        "pin.range.cursor": res.cursor_id,
+    }
+
+
+def run_range_task(
+    job: JobDef,
+    rng: dict[str, Any],
+    lease_data: dict[str, Any],
+    batch_size: int,
+    batch: keyset.BatchFn,
+    run_id: str,
+    span_attributes: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Body of a mapped range task: work through the range, stop gracefully."""
-    with tracing.span("range", lambda: {
-            "pin.job": job.dag_id, "pin.job_run_id": run_id, "pin.sweep_id": rng["sweep_id"],
-            "pin.scope": rng["family"], "pin.range": rng["label"],
-            "pin.range_no": rng["range_no"], "pin.batch_size": batch_size,
-            **(span_attributes or {})}) as span:
+    with tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span:
         lease = rejoin_lease(job, lease_data)
         with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
             res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
-        tracing.set_result(span, lambda: {
-            "pin.range.status": res.status, "pin.range.batches": res.batches,
-            "pin.range.rows": res.processed, "pin.range.updated_count": res.changed,
-            "pin.range.skipped_locked": res.skipped_locked,
-            "pin.range.item_errors": res.item_errors, "pin.range.cursor": res.cursor_id})
-        log.info("range %s %s: processed=%d changed=%d written=%d batches=%d "
-                 "skipped_locked=%d (retried %d) item_errors=%d", rng["label"], res.status,
-                 res.processed, res.changed, res.written, res.batches, res.skipped_locked,
-                 res.retried, res.item_errors)
+        tracing.set_result(span, _range_result, res)
+        log.info(
+            "range %s %s: processed=%d changed=%d written=%d batches=%d "
+            "skipped_locked=%d (retried %d) item_errors=%d",
+            rng["label"],
+            res.status,
+            res.processed,
+            res.changed,
+            res.written,
+            res.batches,
+            res.skipped_locked,
+            res.retried,
+            res.item_errors,
+        )
         if res.status == "stopped":
-            raise keyset.GracefulStop(f"stopped on request after {res.batches} batch(es); "
-                                      f"committed work is kept, cursor {res.cursor_id}")
+            raise keyset.GracefulStop(
+                f"stopped on request after {res.batches} batch(es); "
+                f"committed work is kept, cursor {res.cursor_id}"
+            )
     return {**res.__dict__, "label": rng["label"]}

@@ -21,8 +21,9 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pin_nightly import lease as leases
 from pin_nightly import tracing
@@ -52,8 +53,9 @@ def range_label(rng: dict[str, Any]) -> str:
     return f"{rng['prefix']}#{rng['range_no']} ({lo}..{hi}]"
 
 
-def boundaries(cur, source_sql: str, params: dict[str, Any], batch_size: int,
-               max_ranges: int) -> tuple[int, list[str]]:
+def boundaries(
+    cur, source_sql: str, params: dict[str, Any], batch_size: int, max_ranges: int
+) -> tuple[int, list[str]]:
     """Row count of the keyset source and the inner range boundaries (ids) splitting it evenly."""
     cur.execute(sql("common/keyset_count").replace("{source}", source_sql), params)
     total = int(cur.fetchone()[0])
@@ -65,8 +67,9 @@ def boundaries(cur, source_sql: str, params: dict[str, Any], batch_size: int,
     inner: list[str] = []
     # boundaries at rows step, 2 * step, ... before the last row (no empty last range)
     while len(inner) < n_ranges - 1 and (len(inner) + 1) * step < total:
-        cur.execute(query, {**params, "pin_after": inner[-1] if inner else None,
-                            "pin_skip": step - 1})
+        cur.execute(
+            query, {**params, "pin_after": inner[-1] if inner else None, "pin_skip": step - 1}
+        )
         row = cur.fetchone()
         if row is None:  # rows deleted since the count
             break
@@ -74,9 +77,13 @@ def boundaries(cur, source_sql: str, params: dict[str, Any], batch_size: int,
     return total, inner
 
 
-def open_sweep(conn, spec: SweepSpec, run_id: str,
-               plan: Callable[[Any, dict[str, Any]], tuple[int, list[str]]],
-               prepare: Callable[[Any, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def open_sweep(
+    conn,
+    spec: SweepSpec,
+    run_id: str,
+    plan: Callable[[Any, dict[str, Any]], tuple[int, list[str]]],
+    prepare: Callable[[Any, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Find, adopt or create the sweep of ``spec`` for ``run_id``; return it with its ranges.
 
     ``prepare(cur, sweep)`` runs once for a new sweep (e.g. materialize candidates);
@@ -88,14 +95,22 @@ def open_sweep(conn, spec: SweepSpec, run_id: str,
     with transaction(conn) as cur:
         cur.execute(sql("common/sweep_close_finished"), {"job": spec.job, "keep_run_id": run_id})
         for s in fetch_dicts(cur):
-            log.warning("sweep %s (%s) of run %s had all its ranges done but was never closed "
-                        "(its summary did not run): closed now", s["sweep_id"], s["scope"],
-                        s["run_id"])
+            log.warning(
+                "sweep %s (%s) of run %s had all its ranges done but was never closed "
+                "(its summary did not run): closed now",
+                s["sweep_id"],
+                s["scope"],
+                s["run_id"],
+            )
         cur.execute(sql("common/sweep_abandon_orphans"), base)
         for s in fetch_dicts(cur):
-            log.warning("sweep %s (%s) of run %s was left unfinished and cannot be resumed by "
-                        "another run: abandoned (trigger that repair again if still needed)",
-                        s["sweep_id"], s["scope"], s["run_id"])
+            log.warning(
+                "sweep %s (%s) of run %s was left unfinished and cannot be resumed by "
+                "another run: abandoned (trigger that repair again if still needed)",
+                s["sweep_id"],
+                s["scope"],
+                s["run_id"],
+            )
         cur.execute(sql("common/sweep_find_own"), base)
         sweep = fetch_one_dict(cur)
         adopted = False
@@ -105,38 +120,63 @@ def open_sweep(conn, spec: SweepSpec, run_id: str,
             sweep = fetch_one_dict(cur)
             if sweep is not None:
                 adopted = True
-                cur.execute(sql("common/sweep_adopt_ranges"),
-                            {"sweep_id": sweep["sweep_id"], "run_id": run_id})
+                cur.execute(
+                    sql("common/sweep_adopt_ranges"),
+                    {"sweep_id": sweep["sweep_id"], "run_id": run_id},
+                )
         if sweep is None:
-            cur.execute(sql("common/sweep_create"), {
-                **base, "resumable": spec.resumable, "params": json.dumps(spec.params)})
+            cur.execute(
+                sql("common/sweep_create"),
+                {**base, "resumable": spec.resumable, "params": json.dumps(spec.params)},
+            )
             sweep = fetch_one_dict(cur)
             if prepare is not None:
                 prepare(cur, sweep)
             total, inner = plan(cur, sweep)
             bounds = [None, *inner, None]
             for i in range(len(bounds) - 1):
-                cur.execute(sql("common/range_insert"), {
-                    "sweep_id": sweep["sweep_id"], "range_no": i, "lower_id": bounds[i],
-                    "upper_id": bounds[i + 1],
-                    "planned_rows": total // (len(bounds) - 1), "run_id": run_id})
-            log.info("sweep %s (%s) planned: %d rows in %d range(s)",
-                     sweep["sweep_id"], spec.scope, total, len(bounds) - 1)
+                cur.execute(
+                    sql("common/range_insert"),
+                    {
+                        "sweep_id": sweep["sweep_id"],
+                        "range_no": i,
+                        "lower_id": bounds[i],
+                        "upper_id": bounds[i + 1],
+                        "planned_rows": total // (len(bounds) - 1),
+                        "run_id": run_id,
+                    },
+                )
+            log.info(
+                "sweep %s (%s) planned: %d rows in %d range(s)",
+                sweep["sweep_id"],
+                spec.scope,
+                total,
+                len(bounds) - 1,
+            )
         elif adopted:
-            log.info("sweep %s (%s) adopted from an earlier run: resuming from its cursors",
-                     sweep["sweep_id"], spec.scope)
+            log.info(
+                "sweep %s (%s) adopted from an earlier run: resuming from its cursors",
+                sweep["sweep_id"],
+                spec.scope,
+            )
         sweep["adopted"] = adopted
         sweep["others"] = []
         if spec.resume_others:
             cur.execute(sql("common/sweep_adopt_unfinished"), base)
-            sweep["others"] = sorted(fetch_dicts(cur), key=lambda s: (s["started_at"],
-                                                                      s["sweep_id"]))
+            sweep["others"] = sorted(
+                fetch_dicts(cur), key=lambda s: (s["started_at"], s["sweep_id"])
+            )
             for other in sweep["others"]:
                 other["adopted"] = True
-                cur.execute(sql("common/sweep_adopt_ranges"),
-                            {"sweep_id": other["sweep_id"], "run_id": run_id})
-                log.info("sweep %s (%s) is unfinished: this run resumes it after its own",
-                         other["sweep_id"], other["scope"])
+                cur.execute(
+                    sql("common/sweep_adopt_ranges"),
+                    {"sweep_id": other["sweep_id"], "run_id": run_id},
+                )
+                log.info(
+                    "sweep %s (%s) is unfinished: this run resumes it after its own",
+                    other["sweep_id"],
+                    other["scope"],
+                )
         for s in [sweep, *sweep["others"]]:
             cur.execute(sql("common/sweep_ranges"), {"sweep_id": s["sweep_id"]})
             s["ranges"] = fetch_dicts(cur)
@@ -159,8 +199,14 @@ def range_descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]
 def _descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
     out = []
     for r in sweep["ranges"]:
-        d = {"sweep_id": sweep["sweep_id"], "range_no": r["range_no"], "prefix": prefix,
-             "family": sweep["family"], "lower_id": r["lower_id"], "upper_id": r["upper_id"]}
+        d = {
+            "sweep_id": sweep["sweep_id"],
+            "range_no": r["range_no"],
+            "prefix": prefix,
+            "family": sweep["family"],
+            "lower_id": r["lower_id"],
+            "upper_id": r["upper_id"],
+        }
         d["label"] = range_label(d)
         out.append(d)
     return out
@@ -191,7 +237,7 @@ class StopSignal:
         self.requested = False
         self._previous = None
 
-    def __enter__(self) -> "StopSignal":
+    def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._handle)
@@ -225,9 +271,16 @@ class RangeResult:
     cursor_id: str | None = None
 
 
-def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, batch: BatchFn,
-              retry_lock_timeout_ms: int = 1000, on_batch: Callable[[Batch], None] | None = None,
-              stop: StopSignal | None = None) -> RangeResult:
+def run_range(
+    conn,
+    rng: dict[str, Any],
+    lease: leases.Lease,
+    batch_size: int,
+    batch: BatchFn,
+    retry_lock_timeout_ms: int = 1000,
+    on_batch: Callable[[Batch], None] | None = None,
+    stop: StopSignal | None = None,
+) -> RangeResult:
     """Work through one range, batch by batch, from its saved cursor.
 
     Stops before a batch when the run's deadline has passed (``interrupted``: the next run
@@ -240,8 +293,12 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
         row = fetch_one_dict(cur)
     if row is None:
         raise LookupError(f"range {key} does not exist (was the sweep pruned?)")
-    res = RangeResult(sweep_id=rng["sweep_id"], range_no=rng["range_no"], status="done",
-                      cursor_id=row["cursor_id"])
+    res = RangeResult(
+        sweep_id=rng["sweep_id"],
+        range_no=rng["range_no"],
+        status="done",
+        cursor_id=row["cursor_id"],
+    )
     if row["status"] == "done":
         log.info("range %s is already done", rng.get("label", key))
         return res
@@ -254,24 +311,37 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
             res.status = "stopped"
             break
         started = time.monotonic()
-        with tracing.span("batch", lambda: {"pin.batch.after_id": cursor,
-                                            "pin.batch_size": batch_size}) as span, \
-                transaction(conn) as cur:
+        with (
+            tracing.span("batch", _batch_start, cursor, batch_size) as span,
+            transaction(conn) as cur,
+        ):
             cur.execute(sql("common/async_commit"))
             past_deadline, renew_due = leases.fence(cur, lease)
             b = None if past_deadline else batch(cur, cursor, upper, batch_size, None)
             if b is not None and b.last_id is not None:
-                cur.execute(sql("common/range_advance"), {
-                    **key, "cursor_id": b.last_id, "processed": b.processed,
-                    "changed": b.changed, "written": b.written,
-                    "skipped": len(b.skipped_ids), "item_errors": b.item_errors})
+                cur.execute(
+                    sql("common/range_advance"),
+                    {
+                        **key,
+                        "cursor_id": b.last_id,
+                        "processed": b.processed,
+                        "changed": b.changed,
+                        "written": b.written,
+                        "skipped": len(b.skipped_ids),
+                        "item_errors": b.item_errors,
+                    },
+                )
                 if cur.fetchone() is None:
                     raise RuntimeError(f"range {key} was closed by someone else")
-            tracing.set_result(span, lambda: _batch_attributes(b))
+            tracing.set_result(span, _batch_attributes, b)
         if b is None:
             res.status = "interrupted"
-            log.warning("max run duration reached: range %s stops at cursor %s; the next run "
-                        "resumes from it", rng.get("label", key), cursor)
+            log.warning(
+                "max run duration reached: range %s stops at cursor %s; the next run "
+                "resumes from it",
+                rng.get("label", key),
+                cursor,
+            )
             break
         if renew_due:
             leases.renew(conn, lease)
@@ -284,9 +354,16 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
             res.written += b.written
             res.item_errors += b.item_errors
             res.skipped_locked += len(b.skipped_ids)
-            log.info("batch processed: range=%s rows=%d changed=%d skipped_locked=%d "
-                     "cursor=%s lock_ms=%.1f", rng.get("label", key), b.processed, b.changed,
-                     len(b.skipped_ids), cursor, (time.monotonic() - started) * 1000)
+            log.info(
+                "batch processed: range=%s rows=%d changed=%d skipped_locked=%d "
+                "cursor=%s lock_ms=%.1f",
+                rng.get("label", key),
+                b.processed,
+                b.changed,
+                len(b.skipped_ids),
+                cursor,
+                (time.monotonic() - started) * 1000,
+            )
             if on_batch is not None:
                 on_batch(b)
         if not b.full:
@@ -301,30 +378,53 @@ def run_range(conn, rng: dict[str, Any], lease: leases.Lease, batch_size: int, b
     return res
 
 
+def _batch_start(after_id: str | None, batch_size: int) -> dict[str, Any]:
+    return {"pin.batch.after_id": after_id, "pin.batch_size": batch_size}
+
+
+def _retry_start(row_id: str) -> dict[str, Any]:
+    return {"pin.batch.row_id": row_id}
+
+
 def _batch_attributes(b: Batch | None) -> dict[str, Any]:
     if b is None:
         return {"pin.batch.stopped_at_deadline": True}
-    return {"pin.batch.rows": b.processed, "pin.batch.updated_count": b.changed,
-            "pin.batch.written": b.written, "pin.batch.skipped_locked": len(b.skipped_ids),
-            "pin.batch.item_errors": b.item_errors, "pin.batch.cursor": b.last_id}
+    return {
+        "pin.batch.rows": b.processed,
+        "pin.batch.updated_count": b.changed,
+        "pin.batch.written": b.written,
+        "pin.batch.skipped_locked": len(b.skipped_ids),
+        "pin.batch.item_errors": b.item_errors,
+        "pin.batch.cursor": b.last_id,
+    }
 
 
-def _retry_skipped(conn, key, lease, batch: BatchFn, skipped: list[str], timeout_ms: int,
-                   res: RangeResult) -> None:
+def _retry_skipped(
+    conn, key, lease, batch: BatchFn, skipped: list[str], timeout_ms: int, res: RangeResult
+) -> None:
     """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock."""
     for row_id in skipped:
         try:
-            with tracing.span("retry_locked_row", lambda: {"pin.batch.row_id": row_id}) as span, \
-                    transaction(conn) as cur:
+            with (
+                tracing.span("retry_locked_row", _retry_start, row_id) as span,
+                transaction(conn) as cur,
+            ):
                 cur.execute(sql("common/async_commit"))
                 if leases.fence(cur, lease)[0]:
                     break
                 cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
                 b = batch(cur, None, None, 1, [row_id])
-                tracing.set_result(span, lambda: _batch_attributes(b))
-                cur.execute(sql("common/range_retried"), {
-                    **key, "processed": b.processed, "changed": b.changed,
-                    "written": b.written, "item_errors": b.item_errors})
+                tracing.set_result(span, _batch_attributes, b)
+                cur.execute(
+                    sql("common/range_retried"),
+                    {
+                        **key,
+                        "processed": b.processed,
+                        "changed": b.changed,
+                        "written": b.written,
+                        "item_errors": b.item_errors,
+                    },
+                )
         except Exception as exc:  # noqa: BLE001 - only a lock timeout is expected here
             if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
@@ -359,9 +459,17 @@ def finish_run(conn, job: str, run_id: str) -> tuple[list[dict[str, Any]], list[
     return totals, unfinished
 
 
-def write_run_log(conn, job: str, run_id: str, status: str, result: dict[str, Any],
-                  started_at: str | None) -> None:
+def write_run_log(
+    conn, job: str, run_id: str, status: str, result: dict[str, Any], started_at: str | None
+) -> None:
     with transaction(conn) as cur:
-        cur.execute(sql("common/run_log_upsert"), {
-            "job": job, "run_id": run_id, "status": status,
-            "result": json.dumps(result, default=str), "started_at": started_at})
+        cur.execute(
+            sql("common/run_log_upsert"),
+            {
+                "job": job,
+                "run_id": run_id,
+                "status": status,
+                "result": json.dumps(result, default=str),
+                "started_at": started_at,
+            },
+        )

@@ -16,8 +16,17 @@ from typing import Any
 
 from pin_nightly.db import LeaseLost, fetch_one_dict, sql, transaction
 
-__all__ = ["Lease", "LeaseHeld", "LeaseLost", "acquire", "fence", "rejoin", "renew", "release",
-           "release_holder"]
+__all__ = [
+    "Lease",
+    "LeaseHeld",
+    "LeaseLost",
+    "acquire",
+    "fence",
+    "rejoin",
+    "renew",
+    "release",
+    "release_holder",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +45,7 @@ class Lease:
         return asdict(self)
 
     @classmethod
-    def from_xcom(cls, data: dict[str, Any]) -> "Lease":
+    def from_xcom(cls, data: dict[str, Any]) -> Lease:
         return cls(**data)
 
 
@@ -48,27 +57,50 @@ class LeaseHeld:
 
 def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minutes: float):
     """Take the lease; return :class:`Lease`, or :class:`LeaseHeld` when someone else has it."""
-    return _take(conn, {"lock_key": lock_key, "holder": holder, "ttl_minutes": ttl_minutes,
-                        "max_run_minutes": max_run_minutes, "keep_live": False})
+    return _take(
+        conn,
+        {
+            "lock_key": lock_key,
+            "holder": holder,
+            "ttl_minutes": ttl_minutes,
+            "max_run_minutes": max_run_minutes,
+            "keep_live": False,
+        },
+    )
 
 
 def rejoin(conn, lease: Lease) -> Lease:
     """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
     another run holds it. A new lease (new token, new time budget) is logged."""
-    got = _take(conn, {"lock_key": lease.lock_key, "holder": lease.holder,
-                       "ttl_minutes": lease.ttl_minutes,
-                       "max_run_minutes": lease.max_run_minutes, "keep_live": True})
+    got = _take(
+        conn,
+        {
+            "lock_key": lease.lock_key,
+            "holder": lease.holder,
+            "ttl_minutes": lease.ttl_minutes,
+            "max_run_minutes": lease.max_run_minutes,
+            "keep_live": True,
+        },
+    )
     if isinstance(got, LeaseHeld):
-        raise LeaseLost(f"lease {lease.lock_key!r} is held by {got.holder} (until "
-                        f"{got.expires_at}); this run may not write")
+        raise LeaseLost(
+            f"lease {lease.lock_key!r} is held by {got.holder} (until "
+            f"{got.expires_at}); this run may not write"
+        )
     if got.token != lease.token:
-        log.warning("lease %s was no longer held by %s (token %s): taken again with token %s; "
-                    "run deadline %s", lease.lock_key, lease.holder, lease.token, got.token,
-                    got.run_deadline_at)
+        log.warning(
+            "lease %s was no longer held by %s (token %s): taken again with token %s; "
+            "run deadline %s",
+            lease.lock_key,
+            lease.holder,
+            lease.token,
+            got.token,
+            got.run_deadline_at,
+        )
     return got
 
 
-def _take(conn, params: dict[str, Any]) -> "Lease | LeaseHeld":
+def _take(conn, params: dict[str, Any]) -> Lease | LeaseHeld:
     with transaction(conn) as cur:
         cur.execute(sql("common/lease_acquire"), params)
         row = fetch_one_dict(cur)

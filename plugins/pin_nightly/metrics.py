@@ -1,12 +1,87 @@
 """Metrics under the specs' names, through Airflow's stats facade (StatsD or OpenTelemetry, as
-Airflow is configured). Emitting a metric never fails a task."""
+Airflow is configured).
+
+Every metric is declared once in :data:`METRICS` (its type, its tags and what it means); the
+emitters refuse a name, type or tag set that is not declared (a programming error, caught by
+the tests that run the jobs), and the monitoring files (statsd-exporter mapping, Prometheus
+rules, Grafana dashboard) are tested against this table. A metric that cannot be sent never
+fails a task.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+NEWS = "news_comment_reconcile"
+CATALOG = "catalog_popularity_recompute"
+
+
+@dataclass(frozen=True)
+class Metric:
+    kind: str  # counter | gauge | timer (a timer is a histogram in Prometheus)
+    help: str
+    tags: frozenset[str] = frozenset()
+
+
+METRICS: dict[str, Metric] = {
+    # news_comment_reconcile
+    f"{NEWS}_posts_reconciled_total": Metric("counter", "posts read and checked by a run"),
+    f"{NEWS}_drift_corrected_total": Metric("counter", "comments_count values corrected"),
+    f"{NEWS}_errors_total": Metric("counter", "failed or retried task attempts"),
+    f"{NEWS}_run_duration_ms": Metric("timer", "time from the lease to the summary"),
+    f"{NEWS}_backlog_remaining": Metric("gauge", "1 when a sweep is unfinished after the run"),
+    f"{NEWS}_posts_skipped_locked": Metric("gauge", "posts left locked by others in the run"),
+    f"{NEWS}_last_run_drift_corrected": Metric("gauge", "posts the last run corrected"),
+    f"{NEWS}_drift_alert_threshold": Metric("gauge", "the last run's drift_alert_threshold"),
+    f"{NEWS}_last_full_sweep_timestamp_seconds": Metric(
+        "gauge", "when the newest completed FullSweep started"
+    ),
+    f"{NEWS}_last_daily_window_timestamp_seconds": Metric(
+        "gauge", "when the newest completed DailyWindow started"
+    ),
+    f"{NEWS}_last_success_timestamp_seconds": Metric(
+        "gauge", "when a nightly run last did all its work"
+    ),
+    f"{NEWS}_drift_alerts_total": Metric("counter", "drift alerts sent"),
+    # catalog_popularity_recompute
+    f"{CATALOG}_duration_seconds": Metric("timer", "time from the lease to the summary"),
+    f"{CATALOG}_cards_total": Metric("counter", "cards processed", frozenset({"card_kind"})),
+    f"{CATALOG}_snapshots_total": Metric(
+        "counter", "snapshots written or pruned", frozenset({"op"})
+    ),
+    f"{CATALOG}_errors_total": Metric("counter", "failed task attempts and poison cards"),
+    f"{CATALOG}_backlog_remaining": Metric("gauge", "1 when a pass is unfinished after the run"),
+    f"{CATALOG}_scored_date_timestamp_seconds": Metric(
+        "gauge", "the newest as_of_date whose two passes completed"
+    ),
+    f"{CATALOG}_last_success_timestamp_seconds": Metric(
+        "gauge", "when a nightly run last did all its work"
+    ),
+    "catalog_popularity_score_staleness_hours": Metric(
+        "gauge", "age of the newest completely scored as_of_date at the run's end"
+    ),
+    # both
+    "pin_nightly_deadline_missed_total": Metric(
+        "counter", "missed deadlines (SLA)", frozenset({"dag_id", "alert"})
+    ),
+}
+
+
+class UnknownMetric(ValueError):
+    """A metric that is not declared in METRICS: a programming error."""
+
+
+def _check(name: str, kind: str, tags: dict[str, str] | None) -> None:
+    m = METRICS.get(name)
+    if m is None or m.kind != kind or set(tags or {}) != m.tags:
+        raise UnknownMetric(
+            f"{kind} {name} with tags {sorted(tags or {})} is not declared in "
+            "pin_nightly.metrics.METRICS"
+        )
 
 
 def _stats():
@@ -16,6 +91,7 @@ def _stats():
 
 
 def incr(name: str, count: int = 1, tags: dict[str, str] | None = None) -> None:
+    _check(name, "counter", tags)
     try:
         _stats().incr(name, count, tags=tags)
     except Exception:  # noqa: BLE001 - metrics are best effort
@@ -23,6 +99,7 @@ def incr(name: str, count: int = 1, tags: dict[str, str] | None = None) -> None:
 
 
 def gauge(name: str, value: float, tags: dict[str, str] | None = None) -> None:
+    _check(name, "gauge", tags)
     try:
         _stats().gauge(name, value, tags=tags)
     except Exception:  # noqa: BLE001
@@ -30,6 +107,7 @@ def gauge(name: str, value: float, tags: dict[str, str] | None = None) -> None:
 
 
 def timing(name: str, ms: float, tags: dict[str, str] | None = None) -> None:
+    _check(name, "timer", tags)
     try:
         _stats().timing(name, ms, tags=tags)
     except Exception:  # noqa: BLE001

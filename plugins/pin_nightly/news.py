@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pendulum
@@ -18,10 +18,21 @@ from airflow.sdk import Param
 
 from pin_nightly import jobs, keyset, metrics
 from pin_nightly.db import (
-    JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction,
+    JobConfigError,
+    connection,
+    fetch_dicts,
+    fetch_one_dict,
+    sql,
+    transaction,
 )
 from pin_nightly.jobs import (
-    LOCK_HELD, JobDef, elapsed_ms, lease_from_xcom, parse_uuids, release_lease, run_range_task,
+    LOCK_HELD,
+    JobDef,
+    elapsed_ms,
+    lease_from_xcom,
+    parse_uuids,
+    release_lease,
+    run_range_task,
 )
 
 log = logging.getLogger(__name__)
@@ -61,40 +72,70 @@ _MAX_TTL_MINUTES = 14 * 24 * 60
 # rules across options.
 PARAMS = {
     "scope": Param(
-        "auto", enum=list(SCOPES),
+        "auto",
+        enum=list(SCOPES),
         description="auto (FullSweep on nights matching full_sweep_cron in Europe/Moscow, "
-                    "else DailyWindow), DailyWindow or FullSweep"),
+        "else DailyWindow), DailyWindow or FullSweep",
+    ),
     "full_sweep_cron": Param(
-        "0 3 * * 0", type="string",
+        "0 3 * * 0",
+        type="string",
         description="A 5-field cron expression, read in Europe/Moscow: the nights on which "
-                    "auto means FullSweep (default: Sundays)"),
+        "auto means FullSweep (default: Sundays)",
+    ),
     "batch_size": Param(
-        2000, type="integer", minimum=1, maximum=_MAX_BATCH,
+        2000,
+        type="integer",
+        minimum=1,
+        maximum=_MAX_BATCH,
         description=f"Posts checked per batch, an integer from 1 to {_MAX_BATCH}; only those "
-                    "that look drifted are locked (the spec's 500 is 1.6x slower, see README "
-                    "Performance)"),
+        "that look drifted are locked (the spec's 500 is 1.6x slower, see README "
+        "Performance)",
+    ),
     "window_lookback_hours": Param(
-        26, type="number", exclusiveMinimum=0, maximum=_MAX_LOOKBACK_HOURS,
+        26,
+        type="number",
+        exclusiveMinimum=0,
+        maximum=_MAX_LOOKBACK_HOURS,
         description=f"DailyWindow: minimal look-back in hours, more than 0 and at most "
-                    f"{_MAX_LOOKBACK_HOURS}"),
+        f"{_MAX_LOOKBACK_HOURS}",
+    ),
     "max_run_duration_minutes": Param(
-        20, type="number", exclusiveMinimum=0, maximum=_MAX_RUN_MINUTES,
+        20,
+        type="number",
+        exclusiveMinimum=0,
+        maximum=_MAX_RUN_MINUTES,
         description=f"Time budget: no batch starts later than this after the lease is taken; "
-                    f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}"),
+        f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}",
+    ),
     "lock_ttl_minutes": Param(
-        30, type="number", exclusiveMinimum=0, maximum=_MAX_TTL_MINUTES,
-        description="Lease TTL in minutes; must exceed max_run_duration_minutes"),
+        30,
+        type="number",
+        exclusiveMinimum=0,
+        maximum=_MAX_TTL_MINUTES,
+        description="Lease TTL in minutes; must exceed max_run_duration_minutes",
+    ),
     "drift_alert_threshold": Param(
-        1000, type="integer", minimum=0,
-        description="Alert when a run corrects more posts than this (an integer >= 0)"),
+        1000,
+        type="integer",
+        minimum=0,
+        description="Alert when a run corrects more posts than this (an integer >= 0)",
+    ),
     "post_ids": Param(
-        [], type="array", items={"type": "string", "pattern": jobs.UUID_PATTERN},
+        [],
+        type="array",
+        items={"type": "string", "pattern": jobs.UUID_PATTERN},
         description="Targeted repair of just these posts: one uuid per line, e.g. "
-                    "0190a000-0000-7000-8000-000000000000; leave scope at auto"),
+        "0190a000-0000-7000-8000-000000000000; leave scope at auto",
+    ),
     "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
     "max_ranges": Param(
-        8, type="integer", minimum=1, maximum=64,
-        description="Upper bound of keyset ranges (mapped tasks), an integer from 1 to 64"),
+        8,
+        type="integer",
+        minimum=1,
+        maximum=64,
+        description="Upper bound of keyset ranges (mapped tasks), an integer from 1 to 64",
+    ),
 }
 DEFAULTS: dict[str, Any] = {name: param.value for name, param in PARAMS.items()}
 # Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
@@ -125,10 +166,12 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
         errors.append(
             f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
-            f"({p['max_run_duration_minutes']}): the lock must outlive the run")
+            f"({p['max_run_duration_minutes']}): the lock must outlive the run"
+        )
     if post_ids and p["scope"] != "auto":
-        errors.append(f"post_ids asks for a targeted repair; leave scope at 'auto' "
-                      f"(got {p['scope']!r})")
+        errors.append(
+            f"post_ids asks for a targeted repair; leave scope at 'auto' (got {p['scope']!r})"
+        )
     if errors:
         raise JobConfigError("invalid options: " + "; ".join(errors))
 
@@ -136,20 +179,32 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     if post_ids:
         scope = "Targeted"
     elif p["scope"] == "auto":
-        scope = ("FullSweep" if cron_fires_on_day(p["full_sweep_cron"], instant, TZ)
-                 else "DailyWindow")
+        scope = (
+            "FullSweep" if cron_fires_on_day(p["full_sweep_cron"], instant, TZ) else "DailyWindow"
+        )
     else:
         scope = p["scope"]
-    opts = {**p, "post_ids": post_ids, "effective_scope": scope,
-            "run_instant": pendulum.instance(instant).in_timezone(TZ).isoformat()}
-    log.info("options: scope=%s (asked %s) batch_size=%s max_run_duration_minutes=%s "
-             "dry_run=%s post_ids=%d", scope, p["scope"], p["batch_size"],
-             p["max_run_duration_minutes"], p["dry_run"], len(post_ids))
+    opts = {
+        **p,
+        "post_ids": post_ids,
+        "effective_scope": scope,
+        "run_instant": pendulum.instance(instant).in_timezone(TZ).isoformat(),
+    }
+    log.info(
+        "options: scope=%s (asked %s) batch_size=%s max_run_duration_minutes=%s "
+        "dry_run=%s post_ids=%d",
+        scope,
+        p["scope"],
+        p["batch_size"],
+        p["max_run_duration_minutes"],
+        p["dry_run"],
+        len(post_ids),
+    )
     return opts
 
 
 def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     cutoff = now - timedelta(hours=opts["window_lookback_hours"])
     cur.execute(sql("news/window_cutoff"), {"job": JOB.code})
     covered = cur.fetchone()[0]
@@ -159,8 +214,9 @@ def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
     return cutoff
 
 
-def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
-                run_id: str) -> list[dict[str, Any]]:
+def plan_ranges(
+    opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
+) -> list[dict[str, Any]]:
     """Open (or adopt) the run's sweep and return its ranges (none when the lease is held)."""
     if lease_from_xcom(lease_data) is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
@@ -173,40 +229,72 @@ def plan_ranges(opts: dict[str, Any], lease_data: dict[str, Any],
     # the older ones, all within the run's one time budget. Targeted repairs and dry runs do
     # only their own work.
     spec = keyset.SweepSpec(
-        job=JOB.code, scope=sweep_scope(opts), family=scope, resumable=real,
+        job=JOB.code,
+        scope=sweep_scope(opts),
+        family=scope,
+        resumable=real,
         resume_others=real,
-        params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])})
+        params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])},
+    )
 
     def prepare(cur, sweep):
         if scope == "DailyWindow":
             cutoff = _window_cutoff(cur, opts)
-            cur.execute(sql("news/window_candidates"),
-                        {"sweep_id": sweep["sweep_id"], "cutoff": cutoff})
-            log.info("DailyWindow: %d candidate posts with comment activity since %s",
-                     cur.rowcount, cutoff.isoformat())
-            cur.execute(sql("common/sweep_set_params"),
-                        {"sweep_id": sweep["sweep_id"],
-                         "params": json.dumps({"cutoff": cutoff.isoformat()})})
+            cur.execute(
+                sql("news/window_candidates"), {"sweep_id": sweep["sweep_id"], "cutoff": cutoff}
+            )
+            log.info(
+                "DailyWindow: %d candidate posts with comment activity since %s",
+                cur.rowcount,
+                cutoff.isoformat(),
+            )
+            cur.execute(
+                sql("common/sweep_set_params"),
+                {
+                    "sweep_id": sweep["sweep_id"],
+                    "params": json.dumps({"cutoff": cutoff.isoformat()}),
+                },
+            )
         elif scope == "Targeted":
-            cur.execute(sql("news/targeted_candidates"),
-                        {"sweep_id": sweep["sweep_id"], "post_ids": opts["post_ids"]})
+            cur.execute(
+                sql("news/targeted_candidates"),
+                {"sweep_id": sweep["sweep_id"], "post_ids": opts["post_ids"]},
+            )
         if candidate_mode:
             cur.execute(sql("news/analyze_candidates"))
 
     def plan(cur, sweep):
         source = sql("news/candidate_source" if candidate_mode else "news/full_source")
-        return keyset.boundaries(cur, source.strip(), {"sweep_id": sweep["sweep_id"]},
-                                 opts["batch_size"], opts["max_ranges"])
+        return keyset.boundaries(
+            cur,
+            source.strip(),
+            {"sweep_id": sweep["sweep_id"]},
+            opts["batch_size"],
+            opts["max_ranges"],
+        )
 
     with connection(JOB.conn_id) as conn:
         sweep = keyset.open_sweep(conn, spec, run_id, plan, prepare)
     ranges = keyset.range_descriptors(sweep, scope)
-    cursors = {f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
-               for s in [sweep, *sweep["others"]] for r in s["ranges"] if r["status"] != "done"}
-    log.info("job started: run=%s scope=%s batch_size=%s sweep=%s%s resumed_sweeps=%s "
-             "ranges=%d cursors=%s dry_run=%s", run_id, scope, opts["batch_size"],
-             sweep["sweep_id"], " (resumed)" if sweep["adopted"] else "",
-             [o["sweep_id"] for o in sweep["others"]], len(ranges), cursors, opts["dry_run"])
+    cursors = {
+        f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
+        for s in [sweep, *sweep["others"]]
+        for r in s["ranges"]
+        if r["status"] != "done"
+    }
+    log.info(
+        "job started: run=%s scope=%s batch_size=%s sweep=%s%s resumed_sweeps=%s "
+        "ranges=%d cursors=%s dry_run=%s",
+        run_id,
+        scope,
+        opts["batch_size"],
+        sweep["sweep_id"],
+        " (resumed)" if sweep["adopted"] else "",
+        [o["sweep_id"] for o in sweep["others"]],
+        len(ranges),
+        cursors,
+        opts["dry_run"],
+    )
     return ranges
 
 
@@ -223,8 +311,10 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
         if only_ids:
             cur.execute(sql("news/ids_lock"), {"ids": only_ids})
         else:
-            cur.execute(lock_sql, {"sweep_id": sweep_id, "after_id": after_id,
-                                   "upper_id": upper_id, "limit": limit})
+            cur.execute(
+                lock_sql,
+                {"sweep_id": sweep_id, "after_id": after_id, "upper_id": upper_id, "limit": limit},
+            )
         got = fetch_one_dict(cur)
         if not got["n_read"]:
             return keyset.Batch(last_id=None, full=False)
@@ -233,33 +323,44 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
         skipped = [i for i in got["suspect_ids"] if i not in held]
         drift: list[dict[str, Any]] = []
         if locked:
-            cur.execute(sql("news/apply"), {"ids": locked, "dry_run": dry_run,
-                                            "sweep_id": sweep_id, "run_id": run_id})
+            cur.execute(
+                sql("news/apply"),
+                {"ids": locked, "dry_run": dry_run, "sweep_id": sweep_id, "run_id": run_id},
+            )
             drift = fetch_dicts(cur)
         if skipped and not dry_run:
             cur.execute(sql("news/skipped_record"), {"ids": skipped})
         for d in drift:
-            log.debug("drift %s: post %s comments_count %s -> %s",
-                      "found" if dry_run else "corrected", d["id"], d["count_from"],
-                      d["count_to"])
+            log.debug(
+                "drift %s: post %s comments_count %s -> %s",
+                "found" if dry_run else "corrected",
+                d["id"],
+                d["count_from"],
+                d["count_to"],
+            )
         # reconciled: every eligible post read, except those left locked by someone else
-        return keyset.Batch(last_id=got["last_id"], full=got["n_read"] >= limit,
-                            processed=got["n_eligible"] - len(skipped), changed=len(drift),
-                            skipped_ids=skipped)
+        return keyset.Batch(
+            last_id=got["last_id"],
+            full=got["n_read"] >= limit,
+            processed=got["n_eligible"] - len(skipped),
+            changed=len(drift),
+            skipped_ids=skipped,
+        )
 
     return batch
 
 
-def reconcile_range(rng: dict[str, Any], opts: dict[str, Any],
-                    lease_data: dict[str, Any], run_id: str) -> dict[str, Any]:
+def reconcile_range(
+    rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
+) -> dict[str, Any]:
     """One mapped task: reconcile a keyset range batch by batch from its cursor."""
-    batch = make_batch(opts, rng["sweep_id"], run_id,
-                       candidate_mode=rng["family"] != "FullSweep")
+    batch = make_batch(opts, rng["sweep_id"], run_id, candidate_mode=rng["family"] != "FullSweep")
     return run_range_task(JOB, rng, lease_data, opts["batch_size"], batch, run_id)
 
 
-def summarize(opts: dict[str, Any], lease_data: dict[str, Any] | None,
-              run_id: str) -> dict[str, Any]:
+def summarize(
+    opts: dict[str, Any], lease_data: dict[str, Any] | None, run_id: str
+) -> dict[str, Any]:
     """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
 
     ``status`` is ``success`` only when no work is left: ``backlog_remaining`` (and that
@@ -267,11 +368,21 @@ def summarize(opts: dict[str, Any], lease_data: dict[str, Any] | None,
     """
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
-        "status": "success", "scope": opts["effective_scope"], "dry_run": opts["dry_run"],
-        "posts_reconciled": 0, "drift_corrected": 0, "drift_found": 0, "batches_processed": 0,
-        "last_post_id": None, "backlog_remaining": False, "duration_ms": 0,
-        "posts_skipped_locked": 0, "sweep_id": None, "run_id": run_id,
-        "sweeps": [], "unfinished_sweeps": [],
+        "status": "success",
+        "scope": opts["effective_scope"],
+        "dry_run": opts["dry_run"],
+        "posts_reconciled": 0,
+        "drift_corrected": 0,
+        "drift_found": 0,
+        "batches_processed": 0,
+        "last_post_id": None,
+        "backlog_remaining": False,
+        "duration_ms": 0,
+        "posts_skipped_locked": 0,
+        "sweep_id": None,
+        "run_id": run_id,
+        "sweeps": [],
+        "unfinished_sweeps": [],
     }
     completed: dict[str, float] = {}
     with connection(JOB.conn_id) as conn:
@@ -283,16 +394,28 @@ def summarize(opts: dict[str, Any], lease_data: dict[str, Any] | None,
             for t in totals:
                 if t["scope"] == sweep_scope(opts):
                     result["sweep_id"] = t["sweep_id"]
-                result["sweeps"].append({k: t[k] for k in (
-                    "sweep_id", "scope", "sweep_status", "rows_processed", "rows_changed")})
+                result["sweeps"].append(
+                    {
+                        k: t[k]
+                        for k in (
+                            "sweep_id",
+                            "scope",
+                            "sweep_status",
+                            "rows_processed",
+                            "rows_changed",
+                        )
+                    }
+                )
                 result["posts_reconciled"] += t["rows_processed"]
                 result["drift_found"] += t["rows_changed"]
                 result["batches_processed"] += t["batches"]
                 result["posts_skipped_locked"] += t["skipped_locked"]
-                result["last_post_id"] = max(filter(None, [result["last_post_id"],
-                                                           t["last_id"]]), default=None)
-            result["unfinished_sweeps"] = [f"{u['scope']} (sweep {u['sweep_id']})"
-                                           for u in unfinished]
+                result["last_post_id"] = max(
+                    filter(None, [result["last_post_id"], t["last_id"]]), default=None
+                )
+            result["unfinished_sweeps"] = [
+                f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished
+            ]
             result["backlog_remaining"] = bool(unfinished)
             # a dry run finds drift and corrects none
             result["drift_corrected"] = 0 if opts["dry_run"] else result["drift_found"]
@@ -301,14 +424,18 @@ def summarize(opts: dict[str, Any], lease_data: dict[str, Any] | None,
                 result["status"] = "backlog_remaining"
             _tidy(conn, run_id)
             completed = _last_completed(conn)
-        keyset.write_run_log(conn, JOB.code, run_id, result["status"], result,
-                             lease.acquired_at if lease else None)
-    log.info("job completed: posts_reconciled=%(posts_reconciled)s "
-             "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
-             "batches=%(batches_processed)s "
-             "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
-             "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s "
-             "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s", result)
+        keyset.write_run_log(
+            conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
+        )
+    log.info(
+        "job completed: posts_reconciled=%(posts_reconciled)s "
+        "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
+        "batches=%(batches_processed)s "
+        "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
+        "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s "
+        "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
+        result,
+    )
     if lease is not None:
         release_lease(JOB, lease_data)
         _emit(result, completed, opts["drift_alert_threshold"])
@@ -328,8 +455,7 @@ def _tidy(conn, run_id: str) -> None:
             log.info("deleted %d window candidates of finished sweeps", cur.rowcount)
         cur.execute(sql("news/prune_skipped"), {"job": JOB.code})
         if cur.rowcount:
-            log.info("forgot %d skipped posts that a completed sweep covered since",
-                     cur.rowcount)
+            log.info("forgot %d skipped posts that a completed sweep covered since", cur.rowcount)
 
 
 def _last_completed(conn) -> dict[str, float]:

@@ -15,8 +15,9 @@ it and sets its status to error.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from opentelemetry import trace
 
@@ -24,15 +25,14 @@ _tracer = trace.get_tracer("pin_nightly")
 
 
 @contextmanager
-def span(name: str, attributes: Callable[[], dict[str, Any]]) -> Iterator[trace.Span]:
-    """A span current for the block; ``attributes`` is only called when the span records."""
+def span(name: str, attributes: Callable[..., dict[str, Any]], *args: Any) -> Iterator[trace.Span]:
+    """A span current for the block; ``attributes(*args)`` is only called when it records."""
     with _tracer.start_as_current_span(name) as s:
-        if s.is_recording():
-            s.set_attributes({k: v for k, v in attributes().items() if v is not None})
+        set_result(s, attributes, *args)
         yield s
 
 
-def set_result(s: trace.Span, attributes: Callable[[], dict[str, Any]]) -> None:
-    """Attributes known at the end of a span's work (no-op when it does not record)."""
+def set_result(s: trace.Span, attributes: Callable[..., dict[str, Any]], *args: Any) -> None:
+    """Set ``attributes(*args)`` on the span when it records (known at the end of its work)."""
     if s.is_recording():
-        s.set_attributes({k: v for k, v in attributes().items() if v is not None})
+        s.set_attributes({k: v for k, v in attributes(*args).items() if v is not None})

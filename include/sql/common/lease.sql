@@ -1,3 +1,8 @@
+-- The job lease: single flight across runs and deployments, with fencing tokens.
+-- Named statements: pin_nightly.db.sql("common/<name>") returns the block under
+-- "-- name: <name>".
+
+-- name: lease_acquire
 -- Take the lease when it is free, expired, or already this holder's. Every acquisition gets a
 -- new fencing token, except a rejoin (keep_live): a task whose run already holds the lease again
 -- (a sibling task rejoined first) keeps it as it is, token included, so that siblings working in
@@ -24,3 +29,33 @@ ON CONFLICT (lock_key) DO UPDATE
                               THEN l.run_deadline_at ELSE excluded.run_deadline_at END
  WHERE l.expires_at <= clock_timestamp() OR l.holder = excluded.holder
 RETURNING token, acquired_at, expires_at, run_deadline_at
+
+-- name: lease_fence
+-- First statement of every batch transaction: the lease must still be ours and unexpired.
+-- FOR SHARE keeps a competing acquisition (an UPDATE of this row) waiting until the batch
+-- commits, so a batch never overlaps with a new holder; parallel workers of the same run share
+-- it. Also says whether the run's deadline has passed (an operator may move run_deadline_at to
+-- now() to stop a run gracefully) and whether the lease is due for renewal.
+SELECT run_deadline_at <= clock_timestamp()        AS past_deadline,
+       expires_at - clock_timestamp() < ttl / 2    AS renew_due
+  FROM pin_nightly.job_lease
+ WHERE lock_key = %(lock_key)s AND token = %(token)s AND expires_at > clock_timestamp()
+   FOR SHARE
+
+-- name: lease_renew
+UPDATE pin_nightly.job_lease
+   SET expires_at = greatest(expires_at, clock_timestamp() + ttl)
+ WHERE lock_key = %(lock_key)s AND token = %(token)s AND expires_at > clock_timestamp()
+RETURNING expires_at
+
+-- name: lease_release
+-- Release the lease when this run holds it, whichever token it holds it under (a task cleared
+-- on its own may have taken it again after the run's teardown released it).
+DELETE FROM pin_nightly.job_lease
+ WHERE lock_key = %(lock_key)s AND holder = %(holder)s
+RETURNING holder
+
+-- name: lease_holder
+SELECT holder, token, acquired_at, expires_at, expires_at <= clock_timestamp() AS expired
+  FROM pin_nightly.job_lease
+ WHERE lock_key = %(lock_key)s

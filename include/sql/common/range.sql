@@ -1,0 +1,87 @@
+-- Keyset ranges of a sweep: planning boundaries, the cursor (checkpoint) and the totals.
+-- Named statements: pin_nightly.db.sql("common/<name>") returns the block under
+-- "-- name: <name>".
+
+-- name: keyset_count
+-- The source is a keyset source query from include/sql, never from input.
+SELECT count(*) FROM ({source}) AS src
+
+-- name: keyset_next_boundary
+-- The id %(pin_skip)s rows past the previous boundary in keyset order (the first: from the
+-- start): the next inner boundary of equal-sized ranges. An index scan that stops there, so
+-- all boundaries together read the keyset about once, without numbering every row.
+-- The source is a keyset source query from include/sql, never from input.
+-- Ordered by src.id, the uuid: a bare "id" would name the text output column.
+SELECT src.id::text AS boundary
+  FROM ({source}) AS src
+ WHERE src.id >= coalesce(%(pin_after)s::uuid, '00000000-0000-0000-0000-000000000000'::uuid)
+   AND (%(pin_after)s::uuid IS NULL OR src.id <> %(pin_after)s::uuid)
+ ORDER BY src.id
+OFFSET %(pin_skip)s
+ LIMIT 1
+
+-- name: range_insert
+INSERT INTO pin_nightly.sweep_range (sweep_id, range_no, lower_id, upper_id, planned_rows, run_id)
+VALUES (%(sweep_id)s, %(range_no)s, %(lower_id)s::uuid, %(upper_id)s::uuid, %(planned_rows)s,
+        %(run_id)s)
+
+-- name: range_get
+SELECT r.range_no, r.lower_id::text AS lower_id, r.upper_id::text AS upper_id,
+       r.cursor_id::text AS cursor_id, r.status, r.run_id, s.status AS sweep_status
+  FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
+ WHERE r.sweep_id = %(sweep_id)s AND r.range_no = %(range_no)s
+
+-- name: range_advance
+-- Checkpoint: advance the range cursor in the batch's own transaction.
+UPDATE pin_nightly.sweep_range
+   SET cursor_id      = coalesce(%(cursor_id)s::uuid, cursor_id),
+       rows_processed = rows_processed + %(processed)s,
+       rows_changed   = rows_changed + %(changed)s,
+       batches        = batches + 1,
+       skipped_locked = skipped_locked + %(skipped)s,
+       item_errors    = item_errors + %(item_errors)s,
+       rows_written   = rows_written + %(written)s,
+       updated_at     = clock_timestamp()
+ WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s AND status = 'pending'
+RETURNING cursor_id::text
+
+-- name: range_retried
+-- A post or card taken on the end-of-range retry is no longer counted as skipped.
+UPDATE pin_nightly.sweep_range
+   SET rows_processed = rows_processed + %(processed)s,
+       rows_changed   = rows_changed + %(changed)s,
+       skipped_locked = skipped_locked - %(processed)s,
+       rows_written   = rows_written + %(written)s,
+       item_errors    = item_errors + %(item_errors)s,
+       updated_at     = clock_timestamp()
+ WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s
+
+-- name: range_done
+UPDATE pin_nightly.sweep_range
+   SET status = 'done', updated_at = clock_timestamp()
+ WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s
+
+-- name: run_totals
+-- What this run did, from the counters of the ranges it owned.
+SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
+       count(*)                                   AS ranges,
+       count(*) FILTER (WHERE r.status = 'done')  AS ranges_done,
+       coalesce(sum(r.rows_processed), 0)::bigint AS rows_processed,
+       coalesce(sum(r.rows_changed), 0)::bigint   AS rows_changed,
+       coalesce(sum(r.batches), 0)::bigint        AS batches,
+       coalesce(sum(r.skipped_locked), 0)::bigint AS skipped_locked,
+       coalesce(sum(r.item_errors), 0)::bigint    AS item_errors,
+       coalesce(sum(r.rows_written), 0)::bigint   AS rows_written,
+       max(r.cursor_id::text)                     AS last_id
+  FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
+ WHERE s.job = %(job)s AND r.run_id = %(run_id)s
+ GROUP BY r.sweep_id, s.scope, s.family, s.status
+ ORDER BY r.sweep_id
+
+-- name: run_log_upsert
+INSERT INTO pin_nightly.run_log (job, run_id, status, result, started_at, finished_at)
+VALUES (%(job)s, %(run_id)s, %(status)s, %(result)s::jsonb, %(started_at)s, clock_timestamp())
+ON CONFLICT (job, run_id) DO UPDATE
+   SET status = excluded.status, result = excluded.result,
+       started_at = coalesce(excluded.started_at, pin_nightly.run_log.started_at),
+       finished_at = excluded.finished_at

@@ -1,1 +1,0 @@
-SELECT to_regclass(%(relation)s) IS NOT NULL

@@ -1,1 +1,0 @@
-SAVEPOINT pin_dry_run

@@ -1,0 +1,38 @@
+-- Session settings and catalog probes used by every job.
+-- Named statements: pin_nightly.db.sql("common/<name>") returns the block under
+-- "-- name: <name>".
+
+-- name: async_commit
+-- Batch transactions commit without waiting for their WAL flush (SET LOCAL). A server crash can
+-- lose the last few committed batches -- their corrections and their cursor moves together,
+-- since WAL is replayed in order -- and the next run redoes them from the checkpoint it finds:
+-- the recount is absolute and the snapshot upsert idempotent. A run's totals are read back from
+-- the range rows, so they never count a lost batch.
+SELECT set_config('synchronous_commit', 'off', true)
+
+-- name: set_lock_timeout
+-- For the rest of the transaction: give up waiting for a row lock after this many milliseconds.
+SELECT set_config('lock_timeout', %(ms)s, true)
+
+-- name: custom_plans
+-- For the rest of the transaction, plan each statement for its actual parameters (SET LOCAL)
+-- instead of reusing the generic plan of a prepared statement.
+SELECT set_config('plan_cache_mode', 'force_custom_plan', true)
+
+-- name: savepoint
+SAVEPOINT pin_dry_run
+
+-- name: rollback_to_savepoint
+-- Dry run: undo the batch's writes, keep its row locks until the batch ends.
+ROLLBACK TO SAVEPOINT pin_dry_run
+
+-- name: relation_exists
+SELECT to_regclass(%(relation)s) IS NOT NULL
+
+-- name: table_columns
+SELECT column_name FROM information_schema.columns
+ WHERE table_schema = %(schema)s AND table_name = %(table)s
+
+-- name: index_count
+SELECT count(*) FROM pg_indexes
+ WHERE schemaname || '.' || tablename = %(table)s AND indexdef ILIKE %(pattern)s

@@ -1,0 +1,97 @@
+-- Sweeps: one pass of a job over its scope; opening, adopting, closing, abandoning.
+-- Named statements: pin_nightly.db.sql("common/<name>") returns the block under
+-- "-- name: <name>".
+
+-- name: sweep_create
+INSERT INTO pin_nightly.sweep (job, scope, family, resumable, run_id, params, started_at)
+VALUES (%(job)s, %(scope)s, %(family)s, %(resumable)s, %(run_id)s, %(params)s::jsonb,
+        clock_timestamp())
+RETURNING sweep_id, scope, family, resumable, params, started_at
+
+-- name: sweep_set_params
+UPDATE pin_nightly.sweep SET params = params || %(params)s::jsonb WHERE sweep_id = %(sweep_id)s
+
+-- name: sweep_find_own
+-- The sweep this run already opened or adopted (a re-run of the planning task).
+SELECT sweep_id, scope, family, resumable, params, started_at
+  FROM pin_nightly.sweep
+ WHERE job = %(job)s AND scope = %(scope)s AND run_id = %(run_id)s AND status = 'open'
+ ORDER BY sweep_id DESC
+ LIMIT 1
+
+-- name: sweep_adopt
+-- Adopt the open resumable sweep of this scope left by an earlier run (time budget reached,
+-- failure): the new run continues its ranges from their cursors.
+UPDATE pin_nightly.sweep
+   SET run_id = %(run_id)s
+ WHERE job = %(job)s AND scope = %(scope)s AND status = 'open' AND resumable
+RETURNING sweep_id, scope, family, resumable, params, started_at
+
+-- name: sweep_adopt_ranges
+-- The adopting run starts its own counters on the ranges that are left.
+UPDATE pin_nightly.sweep_range
+   SET run_id = %(run_id)s, rows_processed = 0, rows_changed = 0, batches = 0,
+       skipped_locked = 0, item_errors = 0, rows_written = 0, updated_at = clock_timestamp()
+ WHERE sweep_id = %(sweep_id)s AND status = 'pending' AND run_id <> %(run_id)s
+
+-- name: sweep_adopt_unfinished
+-- The unfinished resumable sweeps of the job other than the run's own scope (for example a
+-- FullSweep stopped by its time budget, on a DailyWindow night): the run adopts them and works
+-- on their ranges after its own, oldest sweep first.
+UPDATE pin_nightly.sweep
+   SET run_id = %(run_id)s
+ WHERE job = %(job)s AND scope <> %(scope)s AND status = 'open' AND resumable
+RETURNING sweep_id, scope, family, resumable, params, started_at
+
+-- name: sweep_ranges
+SELECT range_no, lower_id::text AS lower_id, upper_id::text AS upper_id,
+       cursor_id::text AS cursor_id, planned_rows, status
+  FROM pin_nightly.sweep_range
+ WHERE sweep_id = %(sweep_id)s
+ ORDER BY range_no
+
+-- name: sweep_close_finished
+-- Close every open sweep of the job whose ranges are all done, whoever owns it: a run whose
+-- summary never ran (worker lost, retries used up) leaves such a sweep behind, and no range of
+-- it is left for a later run to own. Sweeps of the run in keep_run_id stay open (its summary
+-- closes them; a re-run of its planning task returns their done ranges unchanged).
+UPDATE pin_nightly.sweep s
+   SET status = 'done', completed_at = clock_timestamp()
+ WHERE s.job = %(job)s AND s.status = 'open'
+   AND s.run_id IS DISTINCT FROM %(keep_run_id)s
+   AND NOT EXISTS (SELECT 1 FROM pin_nightly.sweep_range r
+                    WHERE r.sweep_id = s.sweep_id AND r.status <> 'done')
+RETURNING s.sweep_id, s.scope, s.run_id
+
+-- name: sweep_abandon_family
+-- A new resumable sweep makes the open sweeps of the same family but another scope obsolete
+-- (for example yesterday's popularity pass).
+UPDATE pin_nightly.sweep
+   SET status = 'abandoned', completed_at = clock_timestamp()
+ WHERE job = %(job)s AND family = %(family)s AND scope <> %(scope)s
+   AND status = 'open' AND resumable
+
+-- name: sweep_abandon_orphans
+-- A sweep that no other run may adopt (a targeted repair or a dry run) and that its own run left
+-- unfinished is closed as abandoned by the next run: its run said backlog_remaining, and it is
+-- repeated by triggering it again, not resumed.
+UPDATE pin_nightly.sweep
+   SET status = 'abandoned', completed_at = clock_timestamp()
+ WHERE job = %(job)s AND status = 'open' AND NOT resumable AND run_id <> %(run_id)s
+RETURNING sweep_id, scope, run_id
+
+-- name: sweeps_unfinished
+-- Work left after a run: the open sweeps that a later run resumes (resumable), and the run's own
+-- open sweeps (a targeted repair or a dry run stopped by its time budget).
+SELECT sweep_id, scope, run_id, started_at
+  FROM pin_nightly.sweep
+ WHERE job = %(job)s AND status = 'open' AND (resumable OR run_id = %(run_id)s)
+ ORDER BY started_at
+
+-- name: sweeps_last_completed
+-- When the newest sweep of each family completed (real runs only: no dry runs, no targeted
+-- repairs), as unix time: the job's work is really being done, not only its runs ending.
+SELECT family, extract(epoch FROM max(completed_at))::float8 AS completed_at
+  FROM pin_nightly.sweep
+ WHERE job = %(job)s AND status = 'done' AND resumable
+ GROUP BY family
