@@ -69,12 +69,7 @@ JOB = JobDef(
     ],
 )
 
-# Upper bounds: larger values overflow PostgreSQL's dates/timestamps/bigints half-way through
-# a run instead of being refused when the run is created.
-_MAX_WINDOW_DAYS = 3660
-_MAX_BATCH = 100_000
-_MAX_RUN_MINUTES = 7 * 24 * 60
-_MAX_TTL_MINUTES = 14 * 24 * 60
+_MAX_WINDOW_DAYS = 3660  # larger overflows PostgreSQL's dates half-way through a run
 
 # The DAG's params: each option's type, default, bounds and description, defined once. Airflow
 # checks them when a run is created (a bad value creates no run); validate_options checks the
@@ -98,41 +93,20 @@ PARAMS = {
         1000,
         type="integer",
         minimum=1,
-        maximum=_MAX_BATCH,
-        description=f"Cards per batch, an integer from 1 to {_MAX_BATCH}",
+        maximum=jobs.MAX_BATCH,
+        description=f"Cards per batch, an integer from 1 to {jobs.MAX_BATCH}",
     ),
-    "max_run_duration_minutes": Param(
+    **jobs.common_params(
         30,
-        type="number",
-        exclusiveMinimum=0,
-        maximum=_MAX_RUN_MINUTES,
-        description=f"Time budget: no batch starts later than this after the lease is taken; "
-        f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}",
-    ),
-    "lock_ttl_minutes": Param(
         45,
-        type="number",
-        exclusiveMinimum=0,
-        maximum=_MAX_TTL_MINUTES,
-        description="Lease TTL in minutes; must exceed max_run_duration_minutes",
-    ),
-    "card_ids": Param(
-        [],
-        type="array",
-        items={"type": "string", "pattern": jobs.UUID_PATTERN},
-        description="Targeted recompute of just these cards (either kind): one uuid per line, "
+        "card_ids",
+        "Targeted recompute of just these cards (either kind): one uuid per line, "
         "e.g. 0190a000-0000-7000-8000-000000000000",
-    ),
-    "dry_run": Param(False, type="boolean", description="Compute and report, write nothing"),
-    "max_ranges": Param(
-        8,
-        type="integer",
-        minimum=1,
-        maximum=64,
-        description="Upper bound of keyset ranges (mapped tasks) per pass, an integer from 1 to 64",
+        "Compute and report, write nothing",
+        ranges_per=" per pass",
     ),
 }
-DEFAULTS: dict[str, Any] = {name: param.value for name, param in PARAMS.items()}
+DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 # Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
 # the job.
 RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
@@ -157,11 +131,7 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
     errors: list[str] = []
     card_ids = parse_uuids("card_ids", p["card_ids"], errors)
-    if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
-        errors.append(
-            f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
-            f"({p['max_run_duration_minutes']}): the lock must outlive the run"
-        )
+    jobs.check_budget(p, errors)
     if errors:
         raise JobConfigError("invalid options: " + "; ".join(errors))
     instant = pendulum.instance(run_instant).in_timezone("UTC")

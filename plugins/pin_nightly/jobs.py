@@ -32,6 +32,71 @@ class JobDef:
     recommended_indexes: list[tuple[str, str, str]] = field(default_factory=list)
 
 
+# Upper bounds of the run budget and the lease TTL: larger values overflow PostgreSQL's
+# timestamps half-way through a run instead of being refused when the run is created.
+MAX_RUN_MINUTES = 7 * 24 * 60
+MAX_TTL_MINUTES = 14 * 24 * 60
+MAX_BATCH = 100_000
+
+
+def common_params(
+    run_minutes: float,
+    ttl_minutes: float,
+    ids: str,
+    ids_description: str,
+    dry_run_description: str,
+    ranges_per: str = "",
+) -> dict[str, Any]:
+    """The params both jobs have: time budget, lease TTL, targeted ids, dry run, ranges."""
+    from airflow.sdk import Param
+
+    return {
+        "max_run_duration_minutes": Param(
+            run_minutes,
+            type="number",
+            exclusiveMinimum=0,
+            maximum=MAX_RUN_MINUTES,
+            description="Time budget: no batch starts later than this after the lease is "
+            f"taken; minutes, more than 0 and at most {MAX_RUN_MINUTES}",
+        ),
+        "lock_ttl_minutes": Param(
+            ttl_minutes,
+            type="number",
+            exclusiveMinimum=0,
+            maximum=MAX_TTL_MINUTES,
+            description="Lease TTL in minutes; must exceed max_run_duration_minutes",
+        ),
+        ids: Param(
+            [],
+            type="array",
+            items={"type": "string", "pattern": UUID_PATTERN},
+            description=ids_description,
+        ),
+        "dry_run": Param(False, type="boolean", description=dry_run_description),
+        "max_ranges": Param(
+            8,
+            type="integer",
+            minimum=1,
+            maximum=64,
+            description=f"Upper bound of keyset ranges (mapped tasks){ranges_per}, an integer "
+            "from 1 to 64",
+        ),
+    }
+
+
+def defaults(params: dict[str, Any]) -> dict[str, Any]:
+    return {name: param.value for name, param in params.items()}
+
+
+def check_budget(p: dict[str, Any], errors: list[str]) -> None:
+    """The rule across the budget params: the lease must outlive the run."""
+    if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
+        errors.append(
+            f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
+            f"({p['max_run_duration_minutes']}): the lock must outlive the run"
+        )
+
+
 def run_instant(logical_date: datetime | None, run_after: datetime | None) -> datetime:
     """The instant a run is about: its logical date, or when it was due to run (a manual run
     triggered without a logical date)."""

@@ -60,12 +60,7 @@ JOB = JobDef(
     ],
 )
 
-# Upper bounds: larger values overflow PostgreSQL's timestamps/bigints or Python's datetimes
-# half-way through a run instead of being refused when the run is created.
-_MAX_BATCH = 100_000
-_MAX_LOOKBACK_HOURS = 366 * 24
-_MAX_RUN_MINUTES = 7 * 24 * 60
-_MAX_TTL_MINUTES = 14 * 24 * 60
+_MAX_LOOKBACK_HOURS = 366 * 24  # larger overflows Python's datetimes
 
 # The DAG's params: each option's type, default, bounds and description, defined once. Airflow
 # checks them when a run is created (a bad value creates no run); validate_options checks the
@@ -87,8 +82,8 @@ PARAMS = {
         2000,
         type="integer",
         minimum=1,
-        maximum=_MAX_BATCH,
-        description=f"Posts checked per batch, an integer from 1 to {_MAX_BATCH}; only those "
+        maximum=jobs.MAX_BATCH,
+        description=f"Posts checked per batch, an integer from 1 to {jobs.MAX_BATCH}; only those "
         "that look drifted are locked (the spec's 500 is 1.6x slower, see README "
         "Performance)",
     ),
@@ -100,44 +95,22 @@ PARAMS = {
         description=f"DailyWindow: minimal look-back in hours, more than 0 and at most "
         f"{_MAX_LOOKBACK_HOURS}",
     ),
-    "max_run_duration_minutes": Param(
-        20,
-        type="number",
-        exclusiveMinimum=0,
-        maximum=_MAX_RUN_MINUTES,
-        description=f"Time budget: no batch starts later than this after the lease is taken; "
-        f"minutes, more than 0 and at most {_MAX_RUN_MINUTES}",
-    ),
-    "lock_ttl_minutes": Param(
-        30,
-        type="number",
-        exclusiveMinimum=0,
-        maximum=_MAX_TTL_MINUTES,
-        description="Lease TTL in minutes; must exceed max_run_duration_minutes",
-    ),
     "drift_alert_threshold": Param(
         1000,
         type="integer",
         minimum=0,
         description="Alert when a run corrects more posts than this (an integer >= 0)",
     ),
-    "post_ids": Param(
-        [],
-        type="array",
-        items={"type": "string", "pattern": jobs.UUID_PATTERN},
-        description="Targeted repair of just these posts: one uuid per line, e.g. "
+    **jobs.common_params(
+        20,
+        30,
+        "post_ids",
+        "Targeted repair of just these posts: one uuid per line, e.g. "
         "0190a000-0000-7000-8000-000000000000; leave scope at auto",
-    ),
-    "dry_run": Param(False, type="boolean", description="Report drift, write nothing"),
-    "max_ranges": Param(
-        8,
-        type="integer",
-        minimum=1,
-        maximum=64,
-        description="Upper bound of keyset ranges (mapped tasks), an integer from 1 to 64",
+        "Report drift, write nothing",
     ),
 }
-DEFAULTS: dict[str, Any] = {name: param.value for name, param in PARAMS.items()}
+DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 # Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
 # the job.
 RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
@@ -163,11 +136,7 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     if not croniter.is_valid(p["full_sweep_cron"]):
         errors.append(f"full_sweep_cron is not a valid cron expression: {p['full_sweep_cron']!r}")
     post_ids = parse_uuids("post_ids", p["post_ids"], errors)
-    if p["lock_ttl_minutes"] <= p["max_run_duration_minutes"]:
-        errors.append(
-            f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
-            f"({p['max_run_duration_minutes']}): the lock must outlive the run"
-        )
+    jobs.check_budget(p, errors)
     if post_ids and p["scope"] != "auto":
         errors.append(
             f"post_ids asks for a targeted repair; leave scope at 'auto' (got {p['scope']!r})"
