@@ -26,7 +26,6 @@ import pytest
 
 from tests import helpers
 from tests.conftest import SUFFIX
-from tests.test_operations import Webhook
 from tools import devenv
 from tools.stack import Stack, free_port, stack_env
 
@@ -68,7 +67,7 @@ def stack(pg_admin):
     create_news_schema(news_dsn)
     catalog_dsn = devenv.recreate_database(f"pin_sla_catalog{SUFFIX}")
     create_catalog_schema(catalog_dsn)
-    hook = Webhook()
+    hook = helpers.Webhook()
     port = free_port()
     env = stack_env(
         home,

@@ -422,3 +422,37 @@ def test_inconsistent_options_fail_before_any_write(news_db, conf, message, capf
     assert news_db.count(drifted) == 5
     # not even the job's own tables were created
     assert news_db.one("SELECT to_regclass('pin_nightly.job_lease') IS NULL")
+
+
+def test_a_drift_spike_is_posted_to_the_alert_channel(news_db, monkeypatch, capfd, caplog):
+    """The drift alert goes out through the pin_alerts HTTP connection (the http provider's
+    notifier) when a run corrects more posts than its threshold, and is only logged, saying
+    so, without that connection."""
+    import json
+
+    from tests.helpers import Webhook
+
+    hook = Webhook()
+    try:
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_PIN_ALERTS",
+            json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}),
+        )
+        news_db.post(count=5, visible=3)
+        news_db.post(count=2, visible=1)
+        r = run({**FULL, "drift_alert_threshold": 1})
+        assert r["state"] == "success" and r["summary"]["drift_corrected"] == 2
+        [msg] = hook.wait_for(lambda m: m.get("alert") == "drift_above_threshold", timeout=5)
+        assert (msg["dag_id"], msg["run_id"]) == (DAG, r["summary"]["run_id"])
+        assert (msg["drift_corrected"], msg["threshold"]) == (2, 1)
+        assert msg["runbook"] == "README.md#drift_above_threshold"
+
+        monkeypatch.delenv("AIRFLOW_CONN_PIN_ALERTS")
+        news_db.post(count=9, visible=1)
+        r = run({**FULL, "drift_alert_threshold": 0})
+        assert r["summary"]["drift_corrected"] == 1
+        assert len(hook.received) == 1
+        out = capfd.readouterr()
+        assert "no notification channel is set" in out.out + out.err + caplog.text
+    finally:
+        hook.server.shutdown()

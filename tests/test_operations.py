@@ -23,36 +23,6 @@ from tools.stack import Stack, free_port, stack_env
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 
 
-class Webhook:
-    """A local HTTP listener standing in for the alert channel."""
-
-    def __init__(self):
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                received.append(json.loads(body))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait_for(self, pred, timeout: float = 90):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            hits = [r for r in self.received if pred(r)]
-            if hits:
-                return hits
-            time.sleep(0.5)
-        raise AssertionError(f"no matching alert; received {self.received}")
-
-
 class OtlpReceiver:
     """A local OTLP/HTTP trace receiver: what Airflow's exporter sends, decoded into spans."""
 
@@ -110,7 +80,7 @@ def stack(pg_admin):
     create_news_schema(news_dsn)
     catalog_dsn = devenv.recreate_database(f"pin_e2e_catalog{SUFFIX}")
     create_catalog_schema(catalog_dsn)
-    hook = Webhook()
+    hook = helpers.Webhook()
     otlp = OtlpReceiver()
     env = stack_env(
         home,

@@ -1,9 +1,10 @@
 """Alerts: drift spikes and deadline (SLA) misses, logged at ERROR and sent to a channel.
 
 The channel is an Airflow connection (``PIN_ALERT_CONN_ID``, default ``pin_alerts``): an HTTP
-connection whose URL receives a JSON POST (a chat webhook, an Alertmanager bridge...). Without
-it the alert is only logged, with a line saying that no channel is set. No secret is in code:
-the URL and credentials live in the connection.
+connection (its host a URL, or host, port and schema; login/password for basic auth) that
+receives a JSON POST (a chat webhook, an Alertmanager bridge...), sent with the http
+provider's ``HttpNotifier``. Without it the alert is only logged, with a line saying that no
+channel is set. No secret is in code: the URL and credentials live in the connection.
 
 Every message names the DAG, the run and its state, says in one line what was missed, links to
 the run in the Airflow UI (``[api] base_url`` + ``/dags/{dag_id}/runs/{run_id}``) and points to
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import urllib.request
 from typing import Any
 from urllib.parse import quote
 
@@ -67,51 +67,39 @@ def run_fields(
     }
 
 
-def _webhook_url(conn_id: str) -> str | None:
+def _has_channel(conn_id: str) -> bool:
     from airflow.sdk import BaseHook
 
     try:
-        conn = BaseHook.get_connection(conn_id)
+        BaseHook.get_connection(conn_id)
     except Exception:  # noqa: BLE001 - an absent connection means "no channel"
-        return None
-    if conn.host and conn.host.startswith(("http://", "https://")):
-        base = conn.host
-    elif conn.host:
-        scheme = conn.schema or "http"
-        base = f"{scheme}://{conn.host}" + (f":{conn.port}" if conn.port else "")
-    else:
-        return None
-    path = conn.extra_dejson.get("endpoint", "")
-    return base.rstrip("/") + ("/" + path.lstrip("/") if path else "")
+        return False
+    return True
 
 
 def notify(kind: str, payload: dict[str, Any]) -> bool:
-    """Send an alert to the configured channel; True when delivered."""
+    """Send an alert to the configured channel (a JSON POST through the http provider's
+    ``HttpNotifier``); True when delivered. An alert never fails the job."""
+    from airflow.providers.http.notifications.http import HttpNotifier
+
     conn_id = os.environ.get("PIN_ALERT_CONN_ID", DEFAULT_CONN_ID)
-    url = _webhook_url(conn_id)
-    body = {"alert": kind, **payload}
-    if url is None:
+    body = json.loads(json.dumps({"alert": kind, **payload}, default=str))
+    if not _has_channel(conn_id):
         log.error(
             "alert %s: no notification channel is set (create Airflow connection %r): %s",
             kind,
             conn_id,
-            json.dumps(body, default=str),
+            json.dumps(body),
         )
         return False
-    req = urllib.request.Request(  # noqa: S310 - the URL comes from the Airflow connection
-        url,
-        data=json.dumps(body, default=str).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    notifier = HttpNotifier(http_conn_id=conn_id, json=body, extra_options={"timeout": 10})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - URL from config
-            ok = 200 <= resp.status < 300
+        notifier.notify({})
     except Exception as exc:  # noqa: BLE001 - an alert must not fail the job
         log.error("alert %s could not be delivered to connection %r: %s", kind, conn_id, exc)
         return False
     log.info("alert %s delivered to connection %r", kind, conn_id)
-    return ok
+    return True
 
 
 def _current_run_state() -> str | None:
