@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -31,6 +32,21 @@ class NewsDB:
     def __init__(self, dsn: str, conn: psycopg.Connection):
         self.dsn = dsn
         self.conn = conn
+
+    def fail_updates_of(self, post_id: str) -> None:
+        """An infrastructure failure: every UPDATE of this post raises (see allow_updates)."""
+        self.q(
+            "CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
+            f"BEGIN IF NEW.id = '{post_id}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
+            "RETURN NEW; END $$"
+        )
+        self.q(
+            "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+            "EXECUTE FUNCTION public.fail_one()"
+        )
+
+    def allow_updates(self) -> None:
+        self.q("DROP TRIGGER IF EXISTS fail_one ON news.posts")
 
     def q(self, sql: str, *params: Any) -> list[tuple]:
         cur = self.conn.execute(sql, params or None)
@@ -294,6 +310,10 @@ class Webhook:
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def connection(self) -> str:
+        """The pin_alerts connection (AIRFLOW_CONN_PIN_ALERTS) that points here."""
+        return json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{self.port}/alerts"})
+
     def wait_for(self, pred, timeout: float = 90):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -302,3 +322,22 @@ class Webhook:
                 return hits
             time.sleep(0.5)
         raise AssertionError(f"no matching alert; received {self.received}")
+
+
+def stack_databases(name: str) -> tuple[str, str, str, dict[str, str]]:
+    """Fresh databases for a stack test ``name``: news and catalog (with their domain tables)
+    and Airflow's metadata, and the environment of the two job connections."""
+    from tools import devenv
+    from tools.demodata import create_catalog_schema, create_news_schema
+
+    suffix = os.environ.get("PIN_TEST_ID", "")
+    news_dsn = devenv.recreate_database(f"pin_{name}_news{suffix}")
+    create_news_schema(news_dsn)
+    catalog_dsn = devenv.recreate_database(f"pin_{name}_catalog{suffix}")
+    create_catalog_schema(catalog_dsn)
+    metadata_dsn = devenv.recreate_database(f"pin_{name}_airflow{suffix}")
+    conns = {
+        "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
+        "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+    }
+    return news_dsn, catalog_dsn, metadata_dsn, conns

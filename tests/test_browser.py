@@ -18,8 +18,6 @@ import re
 import secrets
 import shutil
 import time
-import urllib.error
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -70,29 +68,16 @@ class LoginStack(Stack):
 
     def token(self) -> str:
         if self._token is None:
-            self._token = self._call(
-                "POST",
-                "/auth/token",
-                {"username": self.username, "password": self.password},
-                auth=False,
+            self._token = self.request(
+                "POST", "/auth/token", {"username": self.username, "password": self.password}
             )["access_token"]
         return self._token
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
-        return self._call(method, path, body, auth=not path.startswith("/api/v2/monitor/"))
-
-    def _call(self, method: str, path: str, body: Any, auth: bool) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if auth:
+    def headers(self, path: str) -> dict[str, str]:
+        headers = super().headers(path)
+        if not path.startswith(("/api/v2/monitor/", "/auth/token")):
             headers["Authorization"] = f"Bearer {self.token()}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                text = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"{method} {path}: HTTP {exc.code}: {exc.read()[:2000]!r}") from None
-        return json.loads(text) if text else None
+        return headers
 
     def manual_runs(self, dag_id: str) -> int:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns?run_type=manual")["total_entries"]
@@ -123,25 +108,19 @@ def stack(pg_admin):
     """A real stack whose UI asks for a login: user ``admin`` (role admin) with a password
     generated for this run, written to the simple auth manager's passwords file before start.
     Every news run misses its run budget (2 s), so the run page has a missed deadline."""
-    from tools.demodata import create_catalog_schema, create_news_schema
-
     home = devenv.REPO / ".airflow" / f"web{SUFFIX}"
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
-    news_dsn = devenv.recreate_database(f"pin_web_news{SUFFIX}")
-    create_news_schema(news_dsn)
-    catalog_dsn = devenv.recreate_database(f"pin_web_catalog{SUFFIX}")
-    create_catalog_schema(catalog_dsn)
+    news_dsn, _, metadata_dsn, conns = helpers.stack_databases("web")
     password = secrets.token_urlsafe(18)
     passwords_file = home / "simple_auth_manager_passwords.json"
     passwords_file.write_text(json.dumps({USER: password}) + "\n")
     env = stack_env(
         home,
-        devenv.recreate_database(f"pin_web_airflow{SUFFIX}"),
+        metadata_dsn,
         free_port(),
         {
-            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
+            **conns,
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
@@ -469,15 +448,7 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(60, drift_every=1)
     poison = ids[45]
-    db.q(
-        "CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
-        f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-        "RETURN NEW; END $$"
-    )
-    db.q(
-        "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
-        "EXECUTE FUNCTION public.fail_one()"
-    )
+    db.fail_updates_of(poison)
     try:
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
         page.goto(run_url(NEWS, run_id))
@@ -496,7 +467,7 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
         )
         assert ids[40] <= cursor < poison
     finally:
-        db.q("DROP TRIGGER IF EXISTS fail_one ON news.posts")
+        db.allow_updates()
 
     # the failed range in the grid's mapped list, then its task instance, then Clear
     open_mapped_list(page, run_id, "reconcile_range", 3)

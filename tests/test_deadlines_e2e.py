@@ -13,7 +13,6 @@ above the run's ``drift_alert_threshold`` and only then.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -60,25 +59,17 @@ def readme_anchors() -> set[str]:
 
 @pytest.fixture(scope="module")
 def stack(pg_admin):
-    from tools.demodata import create_catalog_schema, create_news_schema
-
     home = devenv.REPO / ".airflow" / f"sla{SUFFIX}"
-    news_dsn = devenv.recreate_database(f"pin_sla_news{SUFFIX}")
-    create_news_schema(news_dsn)
-    catalog_dsn = devenv.recreate_database(f"pin_sla_catalog{SUFFIX}")
-    create_catalog_schema(catalog_dsn)
+    news_dsn, _, metadata_dsn, conns = helpers.stack_databases("sla")
     hook = helpers.Webhook()
     port = free_port()
     env = stack_env(
         home,
-        devenv.recreate_database(f"pin_sla_airflow{SUFFIX}"),
+        metadata_dsn,
         port,
         {
-            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
-            "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
-                {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}
-            ),
+            **conns,
+            "AIRFLOW_CONN_PIN_ALERTS": hook.connection(),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
             # no scheduled run before a test unpauses its DAG
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",

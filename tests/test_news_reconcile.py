@@ -337,16 +337,7 @@ def test_auto_scope_is_full_sweep_on_sunday_nights_in_moscow(news_db):
 def test_clearing_a_failed_range_resumes_it_from_its_cursor(news_db):
     ids = news_db.posts(60, drift_every=1)
     poison = ids[45]
-    # an infrastructure failure on one post of the last range
-    news_db.q(
-        "CREATE FUNCTION pg_temp_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-        f"IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-        "RETURN NEW; END $$".replace("pg_temp_fail", "public.fail_one")
-    )
-    news_db.q(
-        "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
-        "EXECUTE FUNCTION public.fail_one()"
-    )
+    news_db.fail_updates_of(poison)  # an infrastructure failure on one post of the last range
     logical = datetime(2026, 11, 25, 9, 0, tzinfo=UTC)
     conf = {**FULL, "batch_size": 5, "max_ranges": 3}
     r = run(conf, logical_date=logical, run_after=logical)
@@ -355,7 +346,7 @@ def test_clearing_a_failed_range_resumes_it_from_its_cursor(news_db):
     assert r["tasks"]["reconcile_range[2]"] == "failed"
     cursor = news_db.one("SELECT cursor_id::text FROM pin_nightly.sweep_range WHERE range_no = 2")
     assert ids[40] <= cursor < poison  # whole batches before the poison post are committed
-    news_db.q("DROP TRIGGER fail_one ON news.posts")
+    news_db.allow_updates()
     # clear and re-run the same run: done ranges return at once, the failed one resumes
     r2 = run(conf, logical_date=logical, run_after=logical)
     assert r2["state"] == "success" and r2["run_id"] == r["run_id"]
@@ -428,16 +419,11 @@ def test_a_drift_spike_is_posted_to_the_alert_channel(news_db, monkeypatch, capf
     """The drift alert goes out through the pin_alerts HTTP connection (the http provider's
     notifier) when a run corrects more posts than its threshold, and is only logged, saying
     so, without that connection."""
-    import json
-
     from tests.helpers import Webhook
 
     hook = Webhook()
     try:
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_PIN_ALERTS",
-            json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}),
-        )
+        monkeypatch.setenv("AIRFLOW_CONN_PIN_ALERTS", hook.connection())
         news_db.post(count=5, visible=3)
         news_db.post(count=2, visible=1)
         r = run({**FULL, "drift_alert_threshold": 1})

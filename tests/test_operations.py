@@ -5,7 +5,6 @@ webhook, a full pool makes a run wait, and one mapped task is cleared over REST 
 from __future__ import annotations
 
 import gzip
-import json
 import threading
 import time
 from datetime import date, timedelta
@@ -73,25 +72,17 @@ def _span_dict(sp) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(pg_admin):
-    from tools.demodata import create_catalog_schema, create_news_schema
-
     home = devenv.REPO / ".airflow" / f"e2e{SUFFIX}"
-    news_dsn = devenv.recreate_database(f"pin_e2e_news{SUFFIX}")
-    create_news_schema(news_dsn)
-    catalog_dsn = devenv.recreate_database(f"pin_e2e_catalog{SUFFIX}")
-    create_catalog_schema(catalog_dsn)
+    news_dsn, catalog_dsn, metadata_dsn, conns = helpers.stack_databases("e2e")
     hook = helpers.Webhook()
     otlp = OtlpReceiver()
     env = stack_env(
         home,
-        devenv.recreate_database(f"pin_e2e_airflow{SUFFIX}"),
+        metadata_dsn,
         free_port(),
         {
-            "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
-            "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
-            "AIRFLOW_CONN_PIN_ALERTS": json.dumps(
-                {"conn_type": "http", "host": f"http://127.0.0.1:{hook.port}/alerts"}
-            ),
+            **conns,
+            "AIRFLOW_CONN_PIN_ALERTS": hook.connection(),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
             # every news run misses its run budget: proves the deadline path end to end
             "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
@@ -176,15 +167,7 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(60, drift_every=1)
     poison = ids[45]
-    db.q(
-        "CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
-        f"BEGIN IF NEW.id = '{poison}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-        "RETURN NEW; END $$"
-    )
-    db.q(
-        "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
-        "EXECUTE FUNCTION public.fail_one()"
-    )
+    db.fail_updates_of(poison)
     run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
     assert stack.wait_run(NEWS, run_id) == "failed"
     states = stack.task_states(NEWS, run_id)
@@ -196,7 +179,7 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
         sweep,
     )
     assert ids[40] <= cursor < poison
-    db.q("DROP TRIGGER fail_one ON news.posts")
+    db.allow_updates()
     stack.request(
         "POST",
         f"/api/v2/dags/{NEWS}/clearTaskInstances",

@@ -134,10 +134,14 @@ class Stack:
                 pass
         psutil.wait_procs(children, timeout=10)
 
+    def headers(self, path: str) -> dict[str, str]:  # noqa: ARG002 - a subclass may need it
+        """Headers of a REST call to ``path`` (a stack behind a login adds its token)."""
+        return {"Content-Type": "application/json"}
+
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
-            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.base + path, data=data, method=method, headers=self.headers(path)
         )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
