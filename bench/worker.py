@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -144,12 +145,21 @@ class LockMsFromLog(logging.Handler):
             self.values.append(float(m.group(1)))
 
 
+# The protocol's stream: the original stdout. File descriptor 1 is pointed at stderr in main(),
+# so that what a library writes to stdout (Airflow's log lines) cannot break the protocol.
+_PROTOCOL = sys.stdout
+
+
 def send(obj) -> None:
-    sys.stdout.write(json.dumps(obj, default=str) + "\n")
-    sys.stdout.flush()
+    _PROTOCOL.write(json.dumps(obj, default=str) + "\n")
+    _PROTOCOL.flush()
 
 
 def main() -> None:
+    global _PROTOCOL
+    _PROTOCOL = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
