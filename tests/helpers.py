@@ -48,6 +48,15 @@ class NewsDB:
     def allow_updates(self) -> None:
         self.q("DROP TRIGGER IF EXISTS fail_one ON news.posts")
 
+    def rows_per_range(self, sweep_id: int) -> list[int]:
+        """Rows each range of the sweep processed, in range order (all attempts together)."""
+        rows = self.q(
+            "SELECT rows_processed FROM pin_nightly.sweep_range WHERE sweep_id = %s "
+            "ORDER BY range_no",
+            sweep_id,
+        )
+        return [n for (n,) in rows]
+
     def q(self, sql: str, *params: Any) -> list[tuple]:
         cur = self.conn.execute(sql, params or None)
         return cur.fetchall() if cur.description else []
