@@ -10,7 +10,6 @@ from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, t
 
 from pin_nightly import jobs, news
 from pin_nightly.deadlines import deadline_alerts
-from pin_nightly.tasks import config_errors_fail
 
 POOL = "news_comment_reconcile"
 
@@ -72,13 +71,13 @@ with DAG(
 ) as dag:
 
     @task(pool=POOL)
-    @config_errors_fail
+    @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
         return news.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
 
     @setup
     @task(pool=POOL)
-    @config_errors_fail
+    @jobs.config_errors_fail
     def acquire_lease(opts: dict, run_id=None) -> dict:
         return jobs.acquire_lease(news.JOB, opts, run_id)
 

@@ -249,9 +249,9 @@ def _cards_and_sweep(catalog_db, n: int, batch_size: int):
         lease = leases.acquire(conn, catalog.JOB.lock_key, "test/parallel", 10, 5)
         spec = keyset.SweepSpec(
             job=catalog.JOB.code,
-            scope=f"PropertyObject@{D}",
             family="PropertyObject",
             resumable=True,
+            as_of_date=str(D),
         )
         sweep = keyset.open_sweep(
             conn,

@@ -325,8 +325,7 @@ WORKER = textwrap.dedent("""
         jobs.preflight(conn, news.JOB)
         lease = leases.acquire(conn, news.JOB.lock_key, cfg["holder"], cfg["ttl"], cfg["max_run"])
         assert isinstance(lease, leases.Lease), lease
-        spec = keyset.SweepSpec(job=news.JOB.code, scope="FullSweep", family="FullSweep",
-                                resumable=True)
+        spec = keyset.SweepSpec(job=news.JOB.code, family="FullSweep", resumable=True)
         sweep = keyset.open_sweep(conn, spec, cfg["run_id"], lambda cur, s: keyset.boundaries(
             cur, sql("news/full_source").strip(), {{"sweep_id": s["sweep_id"]}},
             cfg["batch_size"], 1))
@@ -499,9 +498,7 @@ def _sweep(conn, run_id: str, batch_size: int):
     from pin_nightly import keyset, news
     from pin_nightly.db import sql
 
-    spec = keyset.SweepSpec(
-        job=news.JOB.code, scope="FullSweep", family="FullSweep", resumable=True
-    )
+    spec = keyset.SweepSpec(job=news.JOB.code, family="FullSweep", resumable=True)
     sweep = keyset.open_sweep(
         conn,
         spec,
@@ -520,7 +517,8 @@ def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db
     the worker's next batch raises LeaseLost before writing anything."""
     from pin_nightly import jobs, keyset, news
     from pin_nightly import lease as leases
-    from pin_nightly.db import LeaseLost, connection
+    from pin_nightly.db import connection
+    from pin_nightly.lease import LeaseLost
 
     ids = news_db.posts(30, drift_every=1)
     taken = []
@@ -554,7 +552,8 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
     before its third batch."""
     from pin_nightly import jobs, keyset, news
     from pin_nightly import lease as leases
-    from pin_nightly.db import LeaseLost, connection
+    from pin_nightly.db import connection
+    from pin_nightly.lease import LeaseLost
 
     ids = news_db.posts(30, drift_every=1)
     install_gate(news_db, "news.posts", ids[15])

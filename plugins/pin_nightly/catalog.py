@@ -166,12 +166,13 @@ def plan_ranges(
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
     targeted = bool(opts["card_ids"])
-    suffix = (" targeted" if targeted else "") + (" (dry run)" if opts["dry_run"] else "")
     spec = keyset.SweepSpec(
         job=JOB.code,
-        scope=f"{kind}@{opts['as_of_date']}{suffix}",
         family=kind,
         resumable=not targeted and not opts["dry_run"],
+        as_of_date=opts["as_of_date"],
+        targeted=targeted,
+        dry_run=opts["dry_run"],
         params={"as_of_date": opts["as_of_date"], "card_ids": len(opts["card_ids"])},
     )
     with connection(JOB.conn_id) as conn:

@@ -22,10 +22,6 @@ class DatabaseUnavailable(RuntimeError):
     """The job's database cannot be reached (retryable: Airflow retries the task)."""
 
 
-class LeaseLost(RuntimeError):
-    """The run's lease expired or was taken over: the worker must stop writing (fencing)."""
-
-
 def sql_dir() -> Path:
     """``include/sql`` next to ``plugins/`` (override with ``PIN_SQL_DIR``)."""
     override = os.environ.get("PIN_SQL_DIR")

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from pin_nightly import keyset, metrics, tracing
 from pin_nightly import lease as leases
-from pin_nightly.db import check_columns, connection, ensure_schema, has_index_on
+from pin_nightly.db import (
+    JobConfigError,
+    check_columns,
+    connection,
+    ensure_schema,
+    has_index_on,
+)
 
 log = logging.getLogger(__name__)
 
@@ -302,3 +310,19 @@ def run_range_task(
                 f"committed work is kept, cursor {res.cursor_id}"
             )
     return {**res.__dict__, "label": rng["label"]}
+
+
+def config_errors_fail(fn: Callable) -> Callable:
+    """Decorate a task callable: a configuration error fails the task at once, without
+    retries."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except JobConfigError as exc:
+            from airflow.sdk.exceptions import AirflowFailException
+
+            raise AirflowFailException(str(exc)) from exc
+
+    return wrapper

@@ -36,15 +36,28 @@ LOCK_NOT_AVAILABLE = "55P03"
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """What a job asks of the planner."""
+    """What a job asks of the planner: the sweep's identity as fields, and how to treat it."""
 
     job: str
-    scope: str  # the resumable identity, e.g. "FullSweep" or "PropertyObject@2026-11-30"
-    family: str  # sweeps of one family replace each other
-    resumable: bool
+    family: str  # what it covers ("FullSweep", a card kind); its sweeps replace each other
+    resumable: bool  # another run may adopt it when this run leaves it unfinished
+    as_of_date: str | None = None  # the date a dated sweep is for (ISO)
+    targeted: bool = False  # restricted to ids the run was given
+    dry_run: bool = False
     params: dict[str, Any] = field(default_factory=dict)
     # also adopt the job's unfinished resumable sweeps of other scopes (after the own one)
     resume_others: bool = False
+
+    @property
+    def scope(self) -> str:
+        """The identity as stored in ``pin_nightly.sweep.scope`` and shown in logs, e.g.
+        ``FullSweep``, ``PropertyObject@2026-11-30 targeted (dry run)``."""
+        return (
+            self.family
+            + (f"@{self.as_of_date}" if self.as_of_date else "")
+            + (" targeted" if self.targeted else "")
+            + (" (dry run)" if self.dry_run else "")
+        )
 
 
 def range_label(rng: dict[str, Any]) -> str:

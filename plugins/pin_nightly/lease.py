@@ -14,7 +14,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pin_nightly.db import LeaseLost, fetch_one_dict, sql, transaction
+from pin_nightly.db import fetch_one_dict, sql, transaction
 
 __all__ = [
     "Lease",
@@ -29,6 +29,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class LeaseLost(RuntimeError):
+    """The run's lease expired or was taken over: the worker must stop writing (fencing)."""
 
 
 @dataclass(frozen=True)

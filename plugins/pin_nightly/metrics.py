@@ -84,34 +84,30 @@ def _check(name: str, kind: str, tags: dict[str, str] | None) -> None:
         )
 
 
-def _stats():
-    from airflow.sdk.observability import stats
-
-    return stats
+_EMITTERS = {"counter": "incr", "gauge": "gauge", "timer": "timing"}
 
 
-def incr(name: str, count: int = 1, tags: dict[str, str] | None = None) -> None:
-    _check(name, "counter", tags)
+def _emit(kind: str, name: str, value: float, tags: dict[str, str] | None) -> None:
+    """Send a declared metric through Airflow's stats client (StatsD or OpenTelemetry)."""
+    _check(name, kind, tags)
     try:
-        _stats().incr(name, count, tags=tags)
+        from airflow.sdk.observability import stats
+
+        getattr(stats, _EMITTERS[kind])(name, value, tags=tags)
     except Exception:  # noqa: BLE001 - metrics are best effort
         log.debug("metric %s not emitted", name, exc_info=True)
 
 
+def incr(name: str, count: int = 1, tags: dict[str, str] | None = None) -> None:
+    _emit("counter", name, count, tags)
+
+
 def gauge(name: str, value: float, tags: dict[str, str] | None = None) -> None:
-    _check(name, "gauge", tags)
-    try:
-        _stats().gauge(name, value, tags=tags)
-    except Exception:  # noqa: BLE001
-        log.debug("metric %s not emitted", name, exc_info=True)
+    _emit("gauge", name, value, tags)
 
 
 def timing(name: str, ms: float, tags: dict[str, str] | None = None) -> None:
-    _check(name, "timer", tags)
-    try:
-        _stats().timing(name, ms, tags=tags)
-    except Exception:  # noqa: BLE001
-        log.debug("metric %s not emitted", name, exc_info=True)
+    _emit("timer", name, ms, tags)
 
 
 def last_success(job_metric_prefix: str) -> None:

@@ -192,19 +192,6 @@ def plan_ranges(
         return []
     scope = opts["effective_scope"]
     candidate_mode = scope != "FullSweep"
-    real = scope != "Targeted" and not opts["dry_run"]
-    # A real run also resumes every unfinished sweep of the other scope (a FullSweep stopped by
-    # its time budget is not parked until the next FullSweep night): its own sweep first, then
-    # the older ones, all within the run's one time budget. Targeted repairs and dry runs do
-    # only their own work.
-    spec = keyset.SweepSpec(
-        job=JOB.code,
-        scope=sweep_scope(opts),
-        family=scope,
-        resumable=real,
-        resume_others=real,
-        params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])},
-    )
 
     def prepare(cur, sweep):
         if scope == "DailyWindow":
@@ -243,7 +230,7 @@ def plan_ranges(
         )
 
     with connection(JOB.conn_id) as conn:
-        sweep = keyset.open_sweep(conn, spec, run_id, plan, prepare)
+        sweep = keyset.open_sweep(conn, sweep_spec(opts), run_id, plan, prepare)
     ranges = keyset.range_descriptors(sweep, scope)
     cursors = {
         f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
@@ -267,9 +254,21 @@ def plan_ranges(
     return ranges
 
 
-def sweep_scope(opts: dict[str, Any]) -> str:
-    """The scope under which the run's own sweep is stored."""
-    return opts["effective_scope"] + (" (dry run)" if opts["dry_run"] else "")
+def sweep_spec(opts: dict[str, Any]) -> keyset.SweepSpec:
+    """The run's own sweep. A real run (not targeted, not dry) may be resumed by a later run,
+    and also resumes every unfinished sweep of the other scope (a FullSweep stopped by its time
+    budget is not parked until the next FullSweep night): its own sweep first, then the older
+    ones, all within the run's one time budget. Targeted repairs and dry runs do only their
+    own work."""
+    real = opts["effective_scope"] != "Targeted" and not opts["dry_run"]
+    return keyset.SweepSpec(
+        job=JOB.code,
+        family=opts["effective_scope"],
+        resumable=real,
+        dry_run=opts["dry_run"],
+        resume_others=real,
+        params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])},
+    )
 
 
 def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode: bool):
@@ -361,7 +360,7 @@ def summarize(
         else:
             totals, unfinished = keyset.finish_run(conn, JOB.code, run_id)
             for t in totals:
-                if t["scope"] == sweep_scope(opts):
+                if t["scope"] == sweep_spec(opts).scope:
                     result["sweep_id"] = t["sweep_id"]
                 result["sweeps"].append(
                     {
