@@ -1,7 +1,7 @@
 -- DailyWindow / targeted batch, statement 1: the sweep's next candidate posts after the cursor,
 -- checked read-only against their visible comments; only the posts whose counter looks wrong
 -- are locked with SKIP LOCKED. A candidate that is archived or gone is not eligible. Why the
--- posts whose counter matches need no lock, and why statement 2 recounts: see full_lock.sql.
+-- posts whose counter matches need no lock: docs/design.md; why statement 2 recounts: apply.sql.
 -- The keyset bounds are sargable (coalesce, not "IS NULL OR"): a generic plan of the
 -- prepared statement still starts its index scan at the cursor. Candidates are sparse in the
 -- keyset, so each is counted by its own descent of the partial comments index (LATERAL), a

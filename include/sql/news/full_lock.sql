@@ -4,12 +4,7 @@
 -- end of the range). Statement 2 (news/apply) recounts the locked posts in a newer snapshot and
 -- corrects them: every correction still comes from a count taken after its lock is held.
 --
--- Why a post whose counter matches needs no lock: the hot path changes a comment and the
--- counter in one transaction, and this statement sees each such transaction whole or not at
--- all, so a match means the counter was exact at this statement's instant; a later hot-path
--- transaction keeps it exact. A mismatch caused only by a transaction in flight is merely
--- locked and recounted. Locking every post would dirty every heap page of news.posts and write
--- WAL per post for nothing (see bench/RESULTS.md).
+-- Why a post whose counter matches needs no lock: docs/design.md (news_comment_reconcile).
 --
 -- The comments are counted by one range scan of the partial index from the cursor to the
 -- batch's last post (the span holds only the batch's posts and archived ones, which the check
