@@ -21,10 +21,8 @@ SEED = 20261130
 AS_OF = date(2026, 11, 1)
 # The news data is generated as of this instant (so that a scale and seed always give the same
 # rows, ids included); the DailyWindow's input is then moved up to the wall clock
-# (bench.generate.reage_news). Generator version 3 anchored the news data at the generation
-# instant instead; otherwise the same.
+# (bench.data.reage_news).
 NEWS_ANCHOR = datetime(2026, 11, 1, tzinfo=UTC)
-GENERATOR_VERSION = 4
 
 
 def scale_tag(scale: float) -> str:
