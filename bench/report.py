@@ -250,9 +250,9 @@ def render(all_res: list[dict]) -> str:
         out += [f"## Scale {res['scale']:g}", "", *facts(res), ""]
         out += ["### Times", "", *times(res), "", "### Write footprint", ""]
         out += [
-            "Per run, from `pg_current_wal_lsn()` and `pg_stat_wal` (WAL), and `pg_stat_bgwriter`"
-            " (8 kB pages written during the run and by the CHECKPOINT after it); a CHECKPOINT "
-            "precedes every measured run. Medians.",
+            "Per run, from `pg_stat_wal` (WAL) and `pg_stat_bgwriter` (8 kB pages written "
+            "during the run and by the CHECKPOINT after it); a CHECKPOINT precedes every "
+            "measured run. Medians.",
             "",
             *footprint(res),
             "",

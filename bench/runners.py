@@ -307,8 +307,19 @@ class Footprint:
 
         self.conn = psycopg.connect(dsn, autocommit=True)
 
-    def start(self) -> None:
+    def checkpoint(self) -> None:
+        """CHECKPOINT, then wait until the checkpointer has reported its statistics (it does
+        so after waking the waiting backend)."""
+        done = "SELECT checkpoints_req FROM pg_stat_bgwriter"
+        before = self.conn.execute(done).fetchone()[0]
         self.conn.execute("CHECKPOINT")
+        for _ in range(500):
+            if self.conn.execute(done).fetchone()[0] > before:
+                return
+            time.sleep(0.01)
+
+    def start(self) -> None:
+        self.checkpoint()
         self.wal0 = self.conn.execute(self.WAL).fetchone()
         self.pages0 = self.conn.execute(self.PAGES).fetchone()[0]
 
@@ -316,7 +327,7 @@ class Footprint:
         time.sleep(0.3)  # the job's short-lived hook connections flush their statistics at exit
         lsn, rec, fpi, wal_bytes = self.conn.execute(self.WAL).fetchone()
         diff = self.conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", (lsn, self.wal0[0]))
-        self.conn.execute("CHECKPOINT")
+        self.checkpoint()
         pages = self.conn.execute(self.PAGES).fetchone()[0] - self.pages0
         return {
             "wal_bytes": int(wal_bytes - self.wal0[3]),
