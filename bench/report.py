@@ -160,8 +160,8 @@ def growth(all_res: list[dict]) -> list[str]:
 def footprint(res: dict) -> list[str]:
     out = [
         "| job | measurement | WAL MB | WAL records | full-page images | pages written "
-        "| WAL bytes per row | pages per 1000 rows |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| WAL bytes per row | pages per 1000 rows | checkpoints during |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for job, names in NAMES.items():
         for key, name in names.items():
@@ -173,9 +173,15 @@ def footprint(res: dict) -> list[str]:
             out.append(
                 f"| {job} | {name} | {f(wal / 1e6)} | {f(fp(runs, 'wal_records'))} | "
                 f"{f(fp(runs, 'wal_fpi'))} | {f(pages)} | {f(wal / rows, 1)} | "
-                f"{f(pages / rows * 1000, 2)} |"
+                f"{f(pages / rows * 1000, 2)} | "
+                f"{ckpts(runs)} |"
             )
     return out
+
+
+def ckpts(runs: list[dict]) -> str:
+    n = [r["footprint"].get("checkpoints_during") for r in runs]
+    return "-" if None in n else f"{min(n)}..{max(n)}"
 
 
 def hotpath(res: dict) -> list[str]:

@@ -299,7 +299,10 @@ class Footprint:
     checkpoint logs the whole page). The server is otherwise idle; connections flush their
     statistics before the probe reads."""
 
-    WAL = "SELECT pg_current_wal_lsn(), wal_records, wal_fpi, wal_bytes FROM pg_stat_wal"
+    WAL = (
+        "SELECT pg_current_wal_lsn(), wal_records, wal_fpi, wal_bytes, "
+        "(SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) FROM pg_stat_wal"
+    )
     PAGES = "SELECT buffers_checkpoint + buffers_clean + buffers_backend FROM pg_stat_bgwriter"
 
     def __init__(self, dsn: str) -> None:
@@ -325,7 +328,7 @@ class Footprint:
 
     def stop(self) -> dict:
         time.sleep(0.3)  # the job's short-lived hook connections flush their statistics at exit
-        lsn, rec, fpi, wal_bytes = self.conn.execute(self.WAL).fetchone()
+        lsn, rec, fpi, wal_bytes, ckpts = self.conn.execute(self.WAL).fetchone()
         diff = self.conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", (lsn, self.wal0[0]))
         self.checkpoint()
         pages = self.conn.execute(self.PAGES).fetchone()[0] - self.pages0
@@ -334,6 +337,7 @@ class Footprint:
             "wal_lsn_diff": int(diff.fetchone()[0]),
             "wal_records": rec - self.wal0[1],
             "wal_fpi": fpi - self.wal0[2],
+            "checkpoints_during": ckpts - self.wal0[4],
             "pages_written": pages,
         }
 
