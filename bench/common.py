@@ -58,7 +58,9 @@ def pct(values: list[float], p: float) -> float | None:
 def machine_facts(dsn: str) -> dict:
     import psycopg
 
-    cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model")]
+    cpu = [
+        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")
+    ]
     facts = {
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu[0].split(":", 1)[1].strip() if cpu else None,
