@@ -1,11 +1,6 @@
 """The benchmark's data: made once per scale by the shared generator (``tools/datagen.py``)
 into ``pin_bench_news_s<scale>`` / ``pin_bench_catalog_s<scale>``, reused by later runs, and put
-back between measurements from pristine copies kept in schema ``bench``.
-
-Volumes at scale 1: 1,000,000 posts / 10,000,000 comments (1 % drifted counters, 1 % of the
-comments changed in the 25 h before the data's instant), 300,000 property-object and 5,000
-project cards with 31 nights of snapshots (3 missed) before ``AS_OF``. Autovacuum is off on the
-benchmark tables: vacuum runs between measurements, never in the middle of one.
+back between measurements from pristine copies in schema ``bench`` (see bench/README.md).
 """
 
 from __future__ import annotations
@@ -220,11 +215,6 @@ def reset_catalog(dsn: str, views: bool = False) -> None:
         c.execute("VACUUM catalog.popularity_daily_views, " + ", ".join(t for _, t in CARDS))
         c.execute(PIN_VACUUM)
         c.execute("CHECKPOINT")
-
-
-def vacuum(dsn: str, table: str) -> None:
-    with _conn(dsn) as c:
-        c.execute(f"VACUUM {table}")
 
 
 def restore_views(dsn: str) -> None:

@@ -16,6 +16,8 @@ import sys
 import time
 from datetime import UTC, datetime
 
+import psycopg
+
 from bench import data, runners
 from bench.common import (
     OUT,
@@ -104,7 +106,8 @@ def bench_news(args, dsn: str, pools: dict) -> dict:
             else:
                 if item == "nodrift_1":  # the counters made exact first (not measured)
                     runners.floor(dsn, "news")
-                    data.vacuum(dsn, "news.posts")
+                    with psycopg.connect(dsn, autocommit=True) as conn:
+                        conn.execute("VACUUM news.posts")
                 n = 2 if item == "full_2" else 1
                 r = measure(lambda n=n: runners.run_news(pools[n], "FullSweep", n), dsn)
             full = rep == 0 and item in ("floor", "full_1")
@@ -229,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         "code": code_version(),
     }
     jobs = args.jobs.split(",")
-    import psycopg
-
     with psycopg.connect(devenv.admin_dsn(), autocommit=True) as conn:
         for name, value in SERVER.items():
             conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")

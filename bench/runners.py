@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
-import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from datetime import time as dtime
 
@@ -66,32 +67,20 @@ class Pool:
 
     def __init__(self, n: int, dsn: str, tag: str) -> None:
         self.workers = [Worker(dsn, tag) for _ in range(n)]
+        self.free: queue.Queue = queue.Queue()
+        for w in self.workers:
+            self.free.put(w)
 
     def run(self, tasks: list[dict]) -> list[dict]:
-        todo = list(enumerate(tasks))
-        results: list = [None] * len(tasks)
-        errors: list[BaseException] = []
-        lock = threading.Lock()
+        def one(task: dict) -> dict:
+            w = self.free.get()
+            try:
+                return w.ask(task)
+            finally:
+                self.free.put(w)
 
-        def loop(w: Worker) -> None:
-            while True:
-                with lock:
-                    if not todo or errors:
-                        return
-                    i, t = todo.pop(0)
-                try:
-                    results[i] = w.ask(t)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    errors.append(exc)
-
-        threads = [threading.Thread(target=loop, args=(w,)) for w in self.workers]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results
+        with ThreadPoolExecutor(len(self.workers)) as ex:
+            return list(ex.map(one, tasks))
 
     def close(self) -> list[dict]:
         return [w.close() for w in self.workers]
