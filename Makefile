@@ -6,7 +6,7 @@ DEPS   := requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 STAMP  := $(VENV)/.installed-$(shell cat $(DEPS) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint airflow bench constraints clean stop
+.PHONY: setup demo test lint airflow bench bench-growth constraints clean stop
 
 # The development venv: runtime and development dependencies pinned by constraints.txt, and
 # the job package (plugins/pin_nightly) installed editable.
@@ -34,10 +34,15 @@ lint: setup
 airflow: setup
 	$(BIN)/python -m tools.airflow_up
 
-# Benchmarks (not part of the test suite): make bench [SCALE=0.1]
+# Benchmarks (not part of the test suite): make bench [SCALE=0.1] [REPS=3]; bench-growth is
+# scale 3 (3M posts / 30M comments, ~915k cards; ~12 GB of data) with one repetition.
 SCALE ?= 1
+REPS ?= 3
 bench: setup
-	$(BIN)/python -m bench.run --scale $(SCALE)
+	$(BIN)/python -m bench.run --scale $(SCALE) --reps $(REPS)
+
+bench-growth: setup
+	$(BIN)/python -m bench.run --scale 3 --reps 1
 
 # Re-pin the full dependency set after changing requirements.txt or requirements-dev.txt.
 constraints:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -21,10 +20,8 @@ SEED = 20261130
 AS_OF = date(2026, 11, 1)
 # The news data is generated as of this instant (so that a scale and seed always give the same
 # rows, ids included); the DailyWindow's input is then moved up to the wall clock
-# (bench.generate.reage_news). Generator version 3 anchored the news data at the generation
-# instant instead; otherwise the same.
+# (bench.data.reage_news).
 NEWS_ANCHOR = datetime(2026, 11, 1, tzinfo=UTC)
-GENERATOR_VERSION = 4
 
 
 def scale_tag(scale: float) -> str:
@@ -58,62 +55,23 @@ def pct(values: list[float], p: float) -> float | None:
     return v[k]
 
 
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def read_status_kb(field: str, pid: str = "self") -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def machine_facts(dsn: str) -> dict:
     import psycopg
 
+    cpu = [
+        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")
+    ]
     facts = {
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu[0].split(":", 1)[1].strip() if cpu else None,
         "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
-        "platform": platform.platform(),
     }
-    try:
-        from importlib.metadata import version
-
-        facts["airflow"] = version("apache-airflow")
-        facts["postgres_provider"] = version("apache-airflow-providers-postgres")
-        facts["psycopg"] = version("psycopg")
-    except Exception:  # noqa: BLE001
-        pass
     with psycopg.connect(dsn, autocommit=True) as conn:
         facts["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
-        for name in (
-            "shared_buffers",
-            "work_mem",
-            "maintenance_work_mem",
-            "max_parallel_workers_per_gather",
-            "effective_cache_size",
-            "jit",
-            "synchronous_commit",
-            "random_page_cost",
-        ):
+        for name in ("shared_buffers", "max_wal_size", "checkpoint_timeout", "work_mem"):
             facts[f"pg_{name}"] = conn.execute(f"SHOW {name}").fetchone()[0]
     return facts
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def loadavg() -> list[float]:

@@ -1,279 +1,188 @@
 """The measured things: the set-based floors, the job code (plan + ranges in worker processes),
-and a whole DAG run through Airflow (in a subprocess).
+retention, the write-footprint probe and the hot-path load.
 
-The job code is driven exactly as the DAG tasks drive it, minus Airflow: ``validate_options``,
-``jobs.acquire_lease`` (preflight + lease), ``plan_ranges`` (``keyset.open_sweep`` with the
-job's own sweep spec and plan closure), ``keyset.run_range`` with the job's ``make_batch`` in one
-worker process per range, then ``summarize`` and ``jobs.release_lease``, with the values the
-DAG's tasks pass (a run id of the benchmark's own, the run's instant, the lease).
+The job code is driven as the DAG tasks drive it, minus Airflow: ``validate_options``,
+``jobs.acquire_lease``, ``plan_ranges``, ``keyset.run_range`` with the job's ``make_batch`` in
+one worker process per range, ``summarize``, ``jobs.release_lease``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from datetime import time as dtime
-from pathlib import Path
 
-from bench import variants
-from bench.common import AS_OF, LOGS, REPO, read_status_kb
-
-log = logging.getLogger("bench.runners")
+from bench.common import AS_OF, LOGS, REPO
 
 BIG_BUDGET = {"max_run_duration_minutes": 600, "lock_ttl_minutes": 720}
 
 
-# ---------------------------------------------------------------------------------------------
-# worker processes
-# ---------------------------------------------------------------------------------------------
+def _spawn(args: list[str], log_name: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=str(REPO),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(LOGS / log_name, "a"),  # noqa: SIM115 - lives as long as the process
+        text=True,
+        bufsize=1,
+    )
 
 
 class Worker:
-    def __init__(self, dsn: str, variant: str, log_path: Path) -> None:
-        self.log_file = open(log_path, "a")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.worker"],
-            cwd=str(REPO),
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log_file,
-            text=True,
-            bufsize=1,
-        )
-        self.request({"dsn": dsn, "variant": variant})
+    def __init__(self, dsn: str, tag: str) -> None:
+        self.proc = _spawn(["bench.worker", dsn], f"workers-{tag}.log")
         self.ready = self.read()
 
-    def request(self, obj) -> None:
+    def ask(self, obj) -> dict:
         self.proc.stdin.write(json.dumps(obj, default=str) + "\n")
         self.proc.stdin.flush()
+        return self.read()
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            self.proc.wait()
-            raise RuntimeError(
-                f"worker {self.proc.pid} died (exit {self.proc.returncode}); "
-                f"see {self.log_file.name}"
-            )
+            raise RuntimeError(f"worker {self.proc.pid} died; see {LOGS}")
         return json.loads(line)
 
     def close(self) -> dict:
-        try:
-            self.request({"quit": True})
-            final = self.read()
-        finally:
-            self.proc.wait(timeout=60)
-            self.log_file.close()
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        final = self.read()
+        self.proc.wait(timeout=60)
         return final
 
 
-class WorkerPool:
-    """``n`` worker processes, each with its own connection; tasks go to whichever is free."""
+class Pool:
+    """``n`` worker processes; each task (a range) goes to whichever is free."""
 
-    def __init__(self, n: int, dsn: str, variant: str, tag: str) -> None:
-        path = LOGS / f"workers-{tag}.log"
-        self.workers = [Worker(dsn, variant, path) for _ in range(n)]
+    def __init__(self, n: int, dsn: str, tag: str) -> None:
+        self.workers = [Worker(dsn, tag) for _ in range(n)]
+        self.free: queue.Queue = queue.Queue()
+        for w in self.workers:
+            self.free.put(w)
 
     def run(self, tasks: list[dict]) -> list[dict]:
-        todo: queue.Queue = queue.Queue()
-        for i, t in enumerate(tasks):
-            todo.put((i, t))
-        results: list[dict | None] = [None] * len(tasks)
-        errors: list[BaseException] = []
+        def one(task: dict) -> dict:
+            w = self.free.get()
+            try:
+                return w.ask(task)
+            finally:
+                self.free.put(w)
 
-        def loop(w: Worker) -> None:
-            while True:
-                try:
-                    i, t = todo.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    w.request(t)
-                    results[i] = {**w.read(), "worker_pid": w.proc.pid}
-                except BaseException as exc:  # noqa: BLE001
-                    errors.append(exc)
-                    return
-
-        threads = [threading.Thread(target=loop, args=(w,)) for w in self.workers]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results  # type: ignore[return-value]
+        with ThreadPoolExecutor(len(self.workers)) as ex:
+            return list(ex.map(one, tasks))
 
     def close(self) -> list[dict]:
         return [w.close() for w in self.workers]
 
 
-# ---------------------------------------------------------------------------------------------
-# the job code without Airflow
-# ---------------------------------------------------------------------------------------------
+def _run_id(instant: datetime) -> str:
+    return f"bench__{instant.isoformat()}__{uuid.uuid4().hex[:8]}"
 
 
-def bench_run_id(logical: datetime) -> str:
-    return f"bench__{logical.isoformat()}__{uuid.uuid4().hex[:8]}"
-
-
-def warm_up(conn_id: str) -> None:
-    """Import what the first hook connection and the metrics facade import (not timed)."""
-    from pin_nightly import db, metrics
-
-    with db.connection(conn_id):
-        pass
-    metrics.gauge(f"{metrics.NEWS}_drift_alert_threshold", 0)  # a declared metric
-
-
-def _range_stats(results: list[dict]) -> dict:
-    lock = [ms for r in results for ms in r["lock_ms"]]
-    lock_log = [ms for r in results for ms in r["lock_ms_log"]]
+def _ranges_stats(results: list[dict]) -> dict:
     stmts: dict[str, list] = {}
     for r in results:
         for k, (n, s) in r["statements"].items():
             acc = stmts.setdefault(k, [0, 0.0])
             acc[0] += n
             acc[1] += s
-    first, last = [], []
-    for r in results:
-        ls = r.get("lock_stmt_ms") or []
-        k = max(1, len(ls) // 10)
-        if len(ls) >= 10:
-            first.append(sum(ls[:k]) / k)
-            last.append(sum(ls[-k:]) / k)
-    totals = {
-        k: sum(r["result"][k] for r in results)
-        for k in ("batches", "processed", "changed", "written", "skipped_locked", "item_errors")
-    }
+    keys = ("batches", "processed", "changed", "written", "skipped_locked", "item_errors")
     return {
-        "lock_ms": lock,
-        "lock_ms_log": lock_log,
+        "batch_ms": [ms for r in results for ms in r["batch_ms"]],
         "statements": stmts,
-        **totals,
-        # the batch lock statement, mean of the first and of the last tenth of the batches
-        # of a range: equal when each batch costs the same wherever it is in the keyset
-        "lock_stmt_first10_ms": sum(first) / len(first) if first else None,
-        "lock_stmt_last10_ms": sum(last) / len(last) if last else None,
-        "ranges": len(results),
-        "range_seconds": [round(r["t_end"] - r["t_start"], 3) for r in results],
-        "worker_hwm_kb": max((r["hwm_kb"] or 0) for r in results) if results else None,
+        **{k: sum(r["result"][k] for r in results) for k in keys},
+        "worker_hwm_kb": max(r["hwm_kb"] for r in results) if results else None,
     }
 
 
-def run_news_job(pool: WorkerPool, scope: str, n_ranges: int, variant: variants.Variant) -> dict:
+def run_news(pool: Pool, scope: str, n_ranges: int) -> dict:
     from pin_nightly import jobs, news
 
-    variants.install(variant)
     instant = datetime.now(UTC)
-    run_id = bench_run_id(instant)
-    params = {
-        "scope": scope,
-        "max_ranges": n_ranges,
-        **BIG_BUDGET,
-        "batch_size": variants.batch_size(variant, "news", news.DEFAULTS["batch_size"]),
-        "drift_alert_threshold": 10**9,
-    }
+    run_id = _run_id(instant)
+    params = {"scope": scope, "max_ranges": n_ranges, **BIG_BUDGET}
     t0 = time.perf_counter()
-    opts = news.validate_options(params, instant)
-    lease_data = jobs.acquire_lease(news.JOB, opts, run_id)
-    ranges = news.plan_ranges(opts, lease_data, run_id)
+    opts = news.validate_options({**params, "drift_alert_threshold": 10**9}, instant)
+    lease = jobs.acquire_lease(news.JOB, opts, run_id)
+    ranges = news.plan_ranges(opts, lease, run_id)
     t_plan = time.perf_counter()
-    tasks = [
-        {
-            "job": "news",
-            "rng": r,
-            "lease": lease_data,
-            "opts": opts,
-            "run_id": run_id,
-            "candidate_mode": scope != "FullSweep",
-        }
-        for r in ranges
-    ]
-    results = pool.run(tasks)
-    t_ranges = time.perf_counter()
-    summary = news.summarize(opts, lease_data, run_id)
-    jobs.release_lease(news.JOB, lease_data)
+    mode = scope != "FullSweep"
+    results = pool.run(
+        [
+            {"job": "news", "rng": r, "lease": lease, "opts": opts, "run_id": run_id}
+            | {"candidate_mode": mode}
+            for r in ranges
+        ]
+    )
+    summary = news.summarize(opts, lease, run_id)
+    jobs.release_lease(news.JOB, lease)
     t1 = time.perf_counter()
     if summary["status"] != "success":
         raise RuntimeError(f"news job did not finish: {summary}")
     return {
         "seconds": t1 - t0,
         "plan_s": t_plan - t0,
-        "ranges_s": t_ranges - t_plan,
-        "finish_s": t1 - t_ranges,
         "rows": summary["posts_reconciled"],
         "changed": summary["drift_corrected"],
-        "summary": summary,
-        **_range_stats(results),
+        **_ranges_stats(results),
     }
 
 
-def run_catalog_job(pool: WorkerPool, n_ranges: int, variant: variants.Variant) -> dict:
+def run_catalog(pool: Pool, n_ranges: int) -> dict:
     from pin_nightly import catalog, jobs
 
-    variants.install(variant)
     instant = datetime.combine(AS_OF, dtime(3, 0), tzinfo=UTC)
-    run_id = bench_run_id(instant)
-    params = {
-        "max_ranges": n_ranges,
-        **BIG_BUDGET,
-        "batch_size": variants.batch_size(variant, "catalog", catalog.DEFAULTS["batch_size"]),
-    }
+    run_id = _run_id(instant)
     t0 = time.perf_counter()
-    opts = catalog.validate_options(params, instant)
-    lease_data = jobs.acquire_lease(catalog.JOB, opts, run_id)
-    results: list[dict] = []
-    plan_s = 0.0
+    opts = catalog.validate_options({"max_ranges": n_ranges, **BIG_BUDGET}, instant)
+    lease = jobs.acquire_lease(catalog.JOB, opts, run_id)
+    results, plan_s = [], 0.0
     for kind in catalog.KINDS:
         tp = time.perf_counter()
-        ranges = catalog.plan_ranges(kind, opts, lease_data, run_id)
+        ranges = catalog.plan_ranges(kind, opts, lease, run_id)
         plan_s += time.perf_counter() - tp
-        results += pool.run(
-            [
-                {
-                    "job": "catalog",
-                    "kind": kind,
-                    "rng": r,
-                    "lease": lease_data,
-                    "opts": opts,
-                    "run_id": run_id,
-                }
-                for r in ranges
-            ]
-        )
-    t_ranges = time.perf_counter()
-    pruned = catalog.retention(opts, lease_data)
-    summary = catalog.summarize(opts, pruned, lease_data, run_id)
-    jobs.release_lease(catalog.JOB, lease_data)
+        base = {"job": "catalog", "kind": kind, "lease": lease, "opts": opts, "run_id": run_id}
+        results += pool.run([{**base, "rng": r} for r in ranges])
+    pruned = catalog.retention(opts, lease)
+    summary = catalog.summarize(opts, pruned, lease, run_id)
+    jobs.release_lease(catalog.JOB, lease)
     t1 = time.perf_counter()
     if summary["status"] != "success":
         raise RuntimeError(f"catalog job did not finish: {summary}")
-    rows = summary["property_object_cards_processed"] + summary["project_cards_processed"]
     return {
         "seconds": t1 - t0,
         "plan_s": plan_s,
-        "ranges_s": t_ranges - t0 - plan_s,
-        "finish_s": t1 - t_ranges,
-        "rows": rows,
+        "rows": summary["property_object_cards_processed"] + summary["project_cards_processed"],
         "changed": summary["property_object_cards_updated"] + summary["project_cards_updated"],
-        "summary": summary,
-        **_range_stats(results),
+        **_ranges_stats(results),
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# the floors: the whole job as one set-based statement
-# ---------------------------------------------------------------------------------------------
+def run_retention() -> dict:
+    """The job's retention step two nights after AS_OF: it deletes the oldest night of history,
+    as every night in steady state (lease and release around it, as the DAG does)."""
+    from pin_nightly import catalog, jobs
+
+    instant = datetime.combine(AS_OF + timedelta(days=2), dtime(3, 0), tzinfo=UTC)
+    opts = catalog.validate_options(dict(BIG_BUDGET), instant)
+    lease = jobs.acquire_lease(catalog.JOB, opts, _run_id(instant))
+    t0 = time.perf_counter()
+    pruned = catalog.retention(opts, lease)
+    dt = time.perf_counter() - t0
+    jobs.release_lease(catalog.JOB, lease)
+    return {"seconds": dt, "rows": pruned, "changed": pruned, "batch_ms": [dt * 1000]}
+
 
 NEWS_FLOOR = """
 UPDATE news.posts p
@@ -286,24 +195,8 @@ UPDATE news.posts p
  WHERE p.id = t.id AND p.comments_count IS DISTINCT FROM t.n
 """
 
-# The same, restricted to the DailyWindow's candidates (posts with a comment changed since the
-# cutoff): what the window would cost as one statement.
-NEWS_WINDOW_FLOOR = """
-UPDATE news.posts p
-   SET comments_count = t.n, updated_at = clock_timestamp()
-  FROM (SELECT q.id, coalesce(v.n, 0)::integer AS n
-          FROM news.posts q
-          LEFT JOIN (SELECT post_id, count(*) AS n FROM news.comments
-                      WHERE status = 'Visible'
-                        AND post_id IN (SELECT post_id FROM news.comments
-                                         WHERE updated_at >= %(cutoff)s)
-                      GROUP BY post_id) v ON v.post_id = q.id
-         WHERE q.status IS DISTINCT FROM 'Archived'
-           AND q.id IN (SELECT post_id FROM news.comments WHERE updated_at >= %(cutoff)s)) t
- WHERE p.id = t.id AND p.comments_count IS DISTINCT FROM t.n
-"""
-
-CATALOG_FLOOR_SNAPSHOTS = """
+CATALOG_FLOOR = (
+    """
 INSERT INTO catalog.popularity_daily_views
        (card_kind, card_id, run_date, cumulative_views, created_at)
 SELECT 'PropertyObject', id, %(as_of)s::date, popularity_views, clock_timestamp()
@@ -315,17 +208,13 @@ SELECT 'Project', id, %(as_of)s::date, popularity_views, clock_timestamp()
  WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0
 ON CONFLICT (card_kind, card_id, run_date) DO UPDATE
    SET cumulative_views = excluded.cumulative_views, created_at = excluded.created_at
-"""
-
-CATALOG_FLOOR_SCORES = """
-WITH hist AS (
-    SELECT card_kind, card_id, run_date, cumulative_views
-      FROM catalog.popularity_daily_views
-     WHERE run_date >= %(as_of)s::date - %(window_days)s AND run_date <= %(as_of)s::date
-), deltas AS (
+""",
+    """
+WITH deltas AS (
     SELECT card_kind, card_id, run_date,
            cumulative_views - lag(cumulative_views) OVER w AS delta
-      FROM hist
+      FROM catalog.popularity_daily_views
+     WHERE run_date >= %(as_of)s::date - %(window_days)s AND run_date <= %(as_of)s::date
     WINDOW w AS (PARTITION BY card_kind, card_id ORDER BY run_date)
 ), weights AS (
     SELECT age, power(2::numeric, -age::numeric / %(half_life)s::numeric) AS weight
@@ -353,97 +242,131 @@ WITH hist AS (
        AND s.score <= 99999999.9999 AND c.popularity_score IS DISTINCT FROM s.score
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM po), (SELECT count(*) FROM pr)
-"""
+SELECT (SELECT count(*) FROM po) + (SELECT count(*) FROM pr)
+""",
+)
+
+ROWS = {
+    "news": "SELECT count(*) FROM news.posts WHERE status IS DISTINCT FROM 'Archived'",
+    "catalog": "SELECT (SELECT count(*) FROM catalog.property_object_cards "
+    "WHERE status IS DISTINCT FROM 'Delisted') + (SELECT count(*) FROM catalog.project_cards "
+    "WHERE status IS DISTINCT FROM 'Delisted')",
+}
 
 
-def news_floor(dsn: str, window_cutoff: datetime | None = None) -> dict:
-    import psycopg
-
-    with psycopg.connect(dsn) as conn:
-        if window_cutoff is None:
-            rows = conn.execute(
-                "SELECT count(*) FROM news.posts WHERE status IS DISTINCT FROM 'Archived'"
-            ).fetchone()[0]
-        else:
-            rows = conn.execute(
-                "SELECT count(DISTINCT c.post_id) FROM news.comments c JOIN news.posts p "
-                "ON p.id = c.post_id AND p.status IS DISTINCT FROM 'Archived' "
-                "WHERE c.updated_at >= %s",
-                (window_cutoff,),
-            ).fetchone()[0]
-        conn.commit()
-        t0 = time.perf_counter()
-        if window_cutoff is None:
-            changed = conn.execute(NEWS_FLOOR).rowcount
-        else:
-            changed = conn.execute(NEWS_WINDOW_FLOOR, {"cutoff": window_cutoff}).rowcount
-        conn.commit()
-        dt = time.perf_counter() - t0
-    return {
-        "seconds": dt,
-        "rows": rows,
-        "changed": changed,
-        "statements": 1,
-        "lock_ms": [dt * 1000],
-    }
-
-
-def catalog_floor(dsn: str) -> dict:
+def floor(dsn: str, job: str) -> dict:
+    """The whole job as set-based statements in one transaction: every row it changes stays
+    locked until the end."""
     import psycopg
 
     from pin_nightly import catalog
 
-    p = {
-        "as_of": AS_OF,
-        "window_days": catalog.DEFAULTS["window_days"],
-        "half_life": catalog.DEFAULTS["half_life_days"],
-    }
+    p = {"as_of": AS_OF, "window_days": catalog.DEFAULTS["window_days"]}
+    p["half_life"] = catalog.DEFAULTS["half_life_days"]
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute("""
-            SELECT (SELECT count(*) FROM catalog.property_object_cards
-                     WHERE status IS DISTINCT FROM 'Delisted')
-                 + (SELECT count(*) FROM catalog.project_cards
-                     WHERE status IS DISTINCT FROM 'Delisted')""").fetchone()[0]
+        rows = conn.execute(ROWS[job]).fetchone()[0]
         conn.commit()
         t0 = time.perf_counter()
-        written = conn.execute(CATALOG_FLOOR_SNAPSHOTS, p).rowcount
-        t_snap = time.perf_counter()
-        po, pr = conn.execute(CATALOG_FLOOR_SCORES, p).fetchone()
+        if job == "news":
+            changed = conn.execute(NEWS_FLOOR).rowcount
+        else:
+            conn.execute(CATALOG_FLOOR[0], p)
+            changed = conn.execute(CATALOG_FLOOR[1], p).fetchone()[0]
         conn.commit()
         dt = time.perf_counter() - t0
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.commit()
+    return {"seconds": dt, "rows": rows, "changed": changed, "batch_ms": [dt * 1000]}
+
+
+class Footprint:
+    """What a run writes, from the server's own statistics: WAL bytes, records and full-page
+    images (``pg_stat_wal``; the LSN difference is kept as a cross-check), and the 8 kB pages
+    it dirtied, counted as the pages written by backends and the background writer during the
+    run plus those the CHECKPOINT after it writes (``pg_stat_bgwriter``). A CHECKPOINT before
+    the run makes the full-page images comparable (the first change of a page after a
+    checkpoint logs the whole page). The server is otherwise idle; connections flush their
+    statistics before the probe reads."""
+
+    WAL = (
+        "SELECT pg_current_wal_lsn(), wal_records, wal_fpi, wal_bytes, "
+        "(SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) FROM pg_stat_wal"
+    )
+    PAGES = "SELECT buffers_checkpoint + buffers_clean + buffers_backend FROM pg_stat_bgwriter"
+
+    def __init__(self, dsn: str) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def checkpoint(self) -> None:
+        """CHECKPOINT, then wait until the checkpointer has reported its statistics (it does
+        so after waking the waiting backend)."""
+        done = "SELECT checkpoints_req FROM pg_stat_bgwriter"
+        before = self.conn.execute(done).fetchone()[0]
+        self.conn.execute("CHECKPOINT")
+        for _ in range(500):
+            if self.conn.execute(done).fetchone()[0] > before:
+                return
+            time.sleep(0.01)
+
+    def start(self) -> None:
+        self.checkpoint()
+        self.wal0 = self.conn.execute(self.WAL).fetchone()
+        self.pages0 = self.conn.execute(self.PAGES).fetchone()[0]
+
+    def stop(self) -> dict:
+        time.sleep(0.3)  # the job's short-lived hook connections flush their statistics at exit
+        lsn, rec, fpi, wal_bytes, ckpts = self.conn.execute(self.WAL).fetchone()
+        diff = self.conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", (lsn, self.wal0[0]))
+        self.checkpoint()
+        pages = self.conn.execute(self.PAGES).fetchone()[0] - self.pages0
+        return {
+            "wal_bytes": int(wal_bytes - self.wal0[3]),
+            "wal_lsn_diff": int(diff.fetchone()[0]),
+            "wal_records": rec - self.wal0[1],
+            "wal_fpi": fpi - self.wal0[2],
+            "checkpoints_during": ckpts - self.wal0[4],
+            "pages_written": pages,
+        }
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class HotPath:
+    """``tools.hotpath --rate`` in a process of its own: news comment writes with the counter
+    update and catalog view increments, ``rate`` transactions per second each."""
+
+    def __init__(self, news_dsn: str, catalog_dsn: str, rate: float) -> None:
+        self.args = ["tools.hotpath", "--dsn", news_dsn, "--catalog-dsn", catalog_dsn]
+        self.args += ["--rate", str(rate)]
+
+    def __enter__(self) -> HotPath:
+        self.proc = _spawn(self.args, "hotpath.log")
+        self.started = time.time()
+        time.sleep(2.0)  # connected and at its rate
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.5)
+        self.stopped = time.time()
+        out, _ = self.proc.communicate(timeout=120)
+        self.records = json.loads(out.strip().splitlines()[-1])
+
+
+def latency(records: list, t0: float, t1: float) -> dict:
+    """Transactions scheduled in [t0, t1]: count, failures, latency p50 / p99 / max (ms, from
+    the scheduled start) and the longest row-lock statement (ms)."""
+    from bench.common import pct
+
+    sel = [r for r in records if t0 <= r[0] <= t1]
+    ok = [r[1] for r in sel if r[1] >= 0]
     return {
-        "seconds": dt,
-        "snapshots_s": t_snap - t0,
-        "rows": rows,
-        "written": written,
-        "changed": po + pr,
-        "statements": 2,
-        "lock_ms": [dt * 1000],
+        "n": len(sel),
+        "failures": len(sel) - len(ok),
+        "p50": pct(ok, 50),
+        "p99": pct(ok, 99),
+        "max": max(ok, default=None),
+        "lock_max": max((r[2] for r in sel), default=None),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# a whole DAG run through Airflow, in its own process
-# ---------------------------------------------------------------------------------------------
-
-
-def run_dag_subprocess(
-    dag_id: str, conf: dict, logical: datetime, conns: dict[str, str], tag: str
-) -> dict:
-    env = {**os.environ, **conns}
-    cmd = [sys.executable, "-m", "bench.dagrun", dag_id, json.dumps(conf), logical.isoformat()]
-    with open(LOGS / f"dagrun-{tag}.log", "a") as errlog:
-        proc = subprocess.run(
-            cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=errlog, text=True
-        )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"DAG run {dag_id} failed (exit {proc.returncode}); see {LOGS / f'dagrun-{tag}.log'}"
-        )
-    return json.loads(lines[-1])
-
-
-def own_rss_kb() -> int | None:
-    return read_status_kb("VmRSS")

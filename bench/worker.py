@@ -1,239 +1,164 @@
 """A worker process: works through keyset ranges with the project's code, as a mapped task does.
 
-Started by :mod:`bench.runners` (``python -m bench.worker``), one process per parallel range
-(its own connection), so that its peak memory is its own. Protocol: JSON lines on stdin/stdout.
+Started by :mod:`bench.runners` (``python -m bench.worker DSN``), one process per parallel range
+(its own connection, made as ``PostgresHook.get_conn()`` makes it), so that its peak memory is
+its own. Protocol, JSON lines: it answers ``{"rss_kb"}`` once imported and connected; then per
+task line ``{"job", "rng", "lease", "opts", "run_id", "candidate_mode" | "kind"}`` it runs
+``pin_nightly.keyset.run_range`` with the job's ``make_batch`` and answers the range result,
+the per-batch transaction times and the time per statement (by SQL file); an empty line ends it
+(answer: ``{"hwm_kb"}``).
 
-- line 1 (config): ``{"dsn", "variant"}``; answers ``{"ready": true, "rss_kb": ...}`` once
-  imported and connected (before the timed part begins);
-- then one task per line: ``{"job": "news"|"catalog", "rng", "lease", "opts", "run_id",
-  "candidate_mode" | "kind"}``; answers the range result, per-batch lock times and a
-  per-statement profile;
-- ``{"quit": true}``: answers ``{"hwm_kb": ...}`` and exits.
-
-The batch functions are ``pin_nightly.news.make_batch`` / ``pin_nightly.catalog.make_batch``
-and the loop is ``pin_nightly.keyset.run_range``, unchanged; a variant may only swap SQL texts
-(``pin_nightly.db.sql``), the batch size or connection settings (see :mod:`bench.variants`).
-
-Lock time of a batch = from the first statement of its transaction (the lease fence, which
-opens it) to the return of its COMMIT, measured by a thin proxy around the connection. The
-proxy also times every statement, by SQL file name.
+Batch transaction time = from its first statement to the return of its COMMIT, measured by a thin
+proxy around the connection: an upper bound of how long the batch holds any row lock.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 import sys
 import time
 from collections import defaultdict
-
-from bench.common import read_status_kb
+from pathlib import Path
 
 BATCH_LOCK_STATEMENTS = {"news/full_lock", "news/candidate_lock", "catalog/lock"}
-CARD_TABLES = ("catalog.property_object_cards", "catalog.project_cards")
+
+
+def status_kb(field: str) -> int | None:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return None
 
 
 class Profile:
+    """Per statement: [calls, seconds]; per batch transaction: milliseconds."""
+
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
-        self.stmt = defaultdict(lambda: [0, 0.0])  # label -> [count, seconds]
+        self.reset()
+
+    def reset(self) -> None:
+        self.stmt: dict[str, list] = defaultdict(lambda: [0, 0.0])
         self.tx_start: float | None = None
-        self.tx_labels: list[str] = []
-        self.batch_lock_ms: list[float] = []
-        self.lock_stmt_ms: list[float] = []  # the lock statement of each batch, in order
-        self.other_tx_ms: list[float] = []
+        self.tx_locks = False
+        self.batch_ms: list[float] = []
 
     def label(self, query) -> str:
-        q = str(query) if not isinstance(query, str) else query
-        name = self.labels.get(q)
-        if name is None:
-            norm = q
-            for t in CARD_TABLES:
-                norm = norm.replace(t, "{cards}")
-            name = self.labels.get(norm)
-        if name is None:
-            name = "other: " + re.sub(r"\s+", " ", q.strip())[:32]
-        return name
+        q = str(query)
+        for table in ("catalog.property_object_cards", "catalog.project_cards"):
+            q = q.replace(table, "{cards}")
+        return self.labels.get(str(query)) or self.labels.get(q) or "other: " + q.split()[0]
 
-    def executed(self, label: str, started: float, ended: float) -> None:
-        if self.tx_start is None:
-            self.tx_start = started
-            self.tx_labels = []
-        self.tx_labels.append(label)
+    def add(self, label: str, t0: float, t1: float) -> None:
         s = self.stmt[label]
         s[0] += 1
-        s[1] += ended - started
-        if label in BATCH_LOCK_STATEMENTS:
-            self.lock_stmt_ms.append((ended - started) * 1000)
-
-    def ended(self, kind: str, started: float, ended: float) -> None:
-        s = self.stmt[kind]
-        s[0] += 1
-        s[1] += ended - started
-        if self.tx_start is not None:
-            ms = (ended - self.tx_start) * 1000
-            if BATCH_LOCK_STATEMENTS.intersection(self.tx_labels) and kind == "COMMIT":
-                self.batch_lock_ms.append(ms)
-            else:
-                self.other_tx_ms.append(ms)
-        self.tx_start = None
-        self.tx_labels = []
+        s[1] += t1 - t0
+        if label in ("COMMIT", "ROLLBACK"):
+            if self.tx_start is not None and self.tx_locks and label == "COMMIT":
+                self.batch_ms.append((t1 - self.tx_start) * 1000)
+            self.tx_start, self.tx_locks = None, False
+        else:
+            self.tx_start = t0 if self.tx_start is None else self.tx_start
+            self.tx_locks |= label in BATCH_LOCK_STATEMENTS
 
 
-class ProfCursor:
-    def __init__(self, cur, prof: Profile) -> None:
-        self._cur = cur
-        self._prof = prof
+class Proxy:
+    """Wraps a connection or a cursor: times ``execute``, ``commit`` and ``rollback``."""
+
+    def __init__(self, target, prof: Profile) -> None:
+        self._t, self._p = target, prof
+
+    def cursor(self, *a, **kw):
+        return Proxy(self._t.cursor(*a, **kw), self._p)
 
     def execute(self, query, params=None, **kw):
         t = time.perf_counter()
         try:
-            return self._cur.execute(query, params, **kw)
+            return self._t.execute(query, params, **kw)
         finally:
-            self._prof.executed(self._prof.label(query), t, time.perf_counter())
+            self._p.add(self._p.label(query), t, time.perf_counter())
+
+    def commit(self):
+        t = time.perf_counter()
+        try:
+            return self._t.commit()
+        finally:
+            self._p.add("COMMIT", t, time.perf_counter())
+
+    def rollback(self):
+        t = time.perf_counter()
+        try:
+            return self._t.rollback()
+        finally:
+            self._p.add("ROLLBACK", t, time.perf_counter())
 
     def __getattr__(self, name):
-        return getattr(self._cur, name)
+        return getattr(self._t, name)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        return self._cur.__exit__(*exc)
-
-
-class ProfConn:
-    def __init__(self, conn, prof: Profile) -> None:
-        self._conn = conn
-        self._prof = prof
-
-    def cursor(self, *a, **kw):
-        return ProfCursor(self._conn.cursor(*a, **kw), self._prof)
-
-    def commit(self):
-        t = time.perf_counter()
-        try:
-            return self._conn.commit()
-        finally:
-            self._prof.ended("COMMIT", t, time.perf_counter())
-
-    def rollback(self):
-        t = time.perf_counter()
-        try:
-            return self._conn.rollback()
-        finally:
-            self._prof.ended("ROLLBACK", t, time.perf_counter())
-
-    def __getattr__(self, name):
-        return getattr(self._conn, name)
-
-
-class LockMsFromLog(logging.Handler):
-    """The code's own per-batch figure (log line ``lock_ms=``), kept as a cross-check."""
-
-    PATTERN = re.compile(r"lock_ms=([0-9.]+)")
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.values: list[float] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        m = self.PATTERN.search(record.getMessage())
-        if m:
-            self.values.append(float(m.group(1)))
-
-
-# The protocol's stream: the original stdout. File descriptor 1 is pointed at stderr in main(),
-# so that what a library writes to stdout (Airflow's log lines) cannot break the protocol.
-_PROTOCOL = sys.stdout
-
-
-def send(obj) -> None:
-    _PROTOCOL.write(json.dumps(obj, default=str) + "\n")
-    _PROTOCOL.flush()
+        return self._t.__exit__(*exc)
 
 
 def main() -> None:
-    global _PROTOCOL
-    _PROTOCOL = os.fdopen(os.dup(1), "w")
+    out = os.fdopen(os.dup(1), "w")  # the protocol; what libraries print goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    cfg = json.loads(sys.stdin.readline())
-    from bench import variants
 
-    variant = variants.get(cfg["variant"])
-    labels = variants.install(variant)
+    def send(obj) -> None:
+        out.write(json.dumps(obj, default=str) + "\n")
+        out.flush()
 
     import psycopg
     from psycopg.types.json import register_default_adapters
 
-    from pin_nightly import catalog, jobs, keyset, news
+    from pin_nightly import catalog, db, jobs, keyset, lease, news
 
-    kw = (
-        {}
-        if variant.prepare_threshold == "default"
-        else {"prepare_threshold": variant.prepare_threshold}
-    )
-    raw = psycopg.connect(cfg["dsn"], **kw)  # as PostgresHook.get_conn() makes it
+    labels: dict[str, str] = {}  # SQL text -> file name, as the job code asks for them
+    original = db.sql
+
+    def named(name: str) -> str:
+        text = original(name)
+        labels[text] = name
+        return text
+
+    for mod in (db, keyset, lease, news, catalog, jobs):
+        if hasattr(mod, "sql"):
+            mod.sql = named
+    raw = psycopg.connect(sys.argv[1])
     register_default_adapters(raw)
     raw.autocommit = False
-    for stmt in variant.session:
-        raw.execute(stmt)
-    raw.commit()
     prof = Profile(labels)
-    conn = ProfConn(raw, prof)
-    klog = logging.getLogger("pin_nightly.keyset")
-    klog.setLevel(logging.INFO)
-    klog.propagate = False
-    from_log = LockMsFromLog()
-    klog.addHandler(from_log)
-    warn = logging.StreamHandler(sys.stderr)
-    warn.setLevel(logging.WARNING)
-    klog.addHandler(warn)
-    send({"ready": True, "rss_kb": read_status_kb("VmRSS"), "pid_note": "worker"})
-
+    conn = Proxy(raw, prof)
+    send({"rss_kb": status_kb("VmRSS")})
     for line in sys.stdin:
-        task = json.loads(line)
-        if task.get("quit"):
+        if not line.strip():
             break
-        prof.stmt.clear()
-        prof.batch_lock_ms, prof.other_tx_ms, from_log.values = [], [], []
-        prof.lock_stmt_ms = []
-        lease = jobs.lease_from_xcom(task["lease"])
-        opts = task["opts"]
+        task = json.loads(line)
+        prof.reset()
+        lease, opts = jobs.lease_from_xcom(task["lease"]), task["opts"]
         if task["job"] == "news":
-            variants.install(variant, full_sweep=not task["candidate_mode"], labels=labels)
             batch = news.make_batch(
                 opts, task["rng"]["sweep_id"], task["run_id"], candidate_mode=task["candidate_mode"]
             )
         else:
             batch = catalog.make_batch(task["kind"], opts)
-        t0 = time.time()
         res = keyset.run_range(conn, task["rng"], lease, opts["batch_size"], batch)
-        t1 = time.time()
+        raw.execute("SELECT pg_stat_force_next_flush()")  # WAL statistics, for the footprint
+        raw.commit()
         send(
             {
                 "result": res.__dict__,
-                "t_start": t0,
-                "t_end": t1,
-                "lock_ms": prof.batch_lock_ms,
-                "lock_ms_log": from_log.values,
-                "other_tx_ms": prof.other_tx_ms,
-                "lock_stmt_ms": prof.lock_stmt_ms,
-                "statements": {k: v for k, v in prof.stmt.items()},
-                "rss_kb": read_status_kb("VmRSS"),
-                "hwm_kb": read_status_kb("VmHWM"),
+                "batch_ms": prof.batch_ms,
+                "statements": dict(prof.stmt),
+                "hwm_kb": status_kb("VmHWM"),
             }
         )
     raw.close()
-    send({"hwm_kb": read_status_kb("VmHWM"), "rss_kb": read_status_kb("VmRSS")})
+    send({"hwm_kb": status_kb("VmHWM")})
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def _database(name: str, env_var: str, schema_fn):
 @pytest.fixture
 def news_db(pg_admin):
     """A fresh news database with the domain tables and the recommended indexes."""
-    from tools.demodata import create_news_schema
+    from tools.datagen import create_news_schema
 
     dsn, conn = _database("pin_test_news", "AIRFLOW_CONN_NEWS_DB", create_news_schema)
     db = helpers.NewsDB(dsn, conn)
@@ -55,7 +55,7 @@ def news_db(pg_admin):
 @pytest.fixture
 def catalog_db(pg_admin):
     """A fresh catalog database with the card tables."""
-    from tools.demodata import create_catalog_schema
+    from tools.datagen import create_catalog_schema
 
     dsn, conn = _database("pin_test_catalog", "AIRFLOW_CONN_CATALOG_DB", create_catalog_schema)
     db = helpers.CatalogDB(dsn, conn)

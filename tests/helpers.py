@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from tools.demodata import uuid7
+from tools.datagen import uuid7
 
 _rnd = random.Random(1234)
 _clock = [datetime(2026, 1, 1, tzinfo=UTC)]
@@ -194,36 +194,20 @@ class CatalogDB(NewsDB):
 
 
 def bulk_posts(
-    db: NewsDB, n: int, rnd: random.Random, drift_share: float = 0.0, max_visible: int = 4
+    db: NewsDB, n: int, rnd: random.Random, drift_share: float = 0.0
 ) -> tuple[list[str], dict[str, int]]:
-    """n Published posts with 0..max_visible visible (and some hidden/deleted) comments, loaded
-    with COPY; a share of them drifted by a non-zero offset. Returns (ids, {post: offset})."""
-    from tools.demodata import copy_rows
+    """n Published posts with ~3 comments each on average (Pareto-spread; visible, hidden and
+    deleted), made by the shared generator (tools/datagen.py); a share of them drifted by a
+    non-zero offset. Every post's ``updated_at`` is 2026-01-01. Returns (ids, {post: offset})."""
+    from tools import datagen
 
-    posts, comments, drift = [], [], {}
-    at = datetime.now(UTC) - timedelta(days=10)
-    for _ in range(n):
-        pid = new_id()
-        visible = rnd.randint(0, max_visible)
-        for st, k in (
-            ("Visible", visible),
-            ("HiddenByModerator", rnd.randint(0, 1)),
-            ("DeletedByAuthor", rnd.randint(0, 1)),
-        ):
-            comments.extend((new_id(), pid, st, at, at) for _ in range(k))
-        offset = 0
-        if rnd.random() < drift_share:
-            offset = rnd.choice((-2, -1, 1, 2, 3, 5))
-            drift[pid] = offset
-        posts.append((pid, "Published", visible + offset, datetime(2026, 1, 1, tzinfo=UTC)))
-    with psycopg.connect(db.dsn) as conn:
-        copy_rows(conn, "news.posts", ("id", "status", "comments_count", "updated_at"), posts)
-        copy_rows(
-            conn, "news.comments", ("id", "post_id", "status", "created_at", "updated_at"), comments
-        )
-        conn.execute("ANALYZE news.posts")
-        conn.execute("ANALYZE news.comments")
-    return [p[0] for p in posts], drift
+    datagen.news(
+        db.dsn, n, 3 * n, seed=rnd.uniform(-0.5, 0.5), drift=drift_share, archived=0, schema=False
+    )
+    db.conn.execute("UPDATE news.posts SET updated_at = '2026-01-01 00:00+00'")
+    db.conn.execute("VACUUM ANALYZE news.posts")
+    ids = [r[0] for r in db.q("SELECT id::text FROM news.posts ORDER BY id")]
+    return ids, {p: off for p, off in post_offsets(db).items() if off != 0}
 
 
 def post_offsets(db: NewsDB) -> dict[str, int]:
@@ -337,7 +321,7 @@ def stack_databases(name: str) -> tuple[str, str, str, dict[str, str]]:
     """Fresh databases for a stack test ``name``: news and catalog (with their domain tables)
     and Airflow's metadata, and the environment of the two job connections."""
     from tools import devenv
-    from tools.demodata import create_catalog_schema, create_news_schema
+    from tools.datagen import create_catalog_schema, create_news_schema
 
     suffix = os.environ.get("PIN_TEST_ID", "")
     news_dsn = devenv.recreate_database(f"pin_{name}_news{suffix}")

@@ -190,7 +190,7 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
     snapshot of the date is a value its counter really had during the run, its score is the
     formula over that snapshot, and no increment is lost. Re-running the date with the consumers
     stopped snapshots the settled counters and gives exactly the independent computation."""
-    from tools.demodata import copy_rows
+    from tools.datagen import copy_rows
 
     rnd = random.Random(11)
     run_sql_file(catalog_db.dsn, "schema/catalog_popularity.sql")
@@ -688,7 +688,7 @@ def test_catalog_missing_column_fails_at_acquire_lease(catalog_db, capfd, caplog
 
 
 def test_missing_recommended_indexes_warn_and_the_run_succeeds(news_db, capfd, caplog):
-    from tools.demodata import create_news_schema
+    from tools.datagen import create_news_schema
 
     news_db.q("DROP SCHEMA news CASCADE")
     create_news_schema(news_db.dsn, indexes=False)

@@ -38,15 +38,14 @@ def _ensure_db(name: str, loader) -> str:
 
 
 def main() -> int:
-    from tools import demodata
+    from tools import datagen
+    from tools.demo import datagen_demo_catalog, datagen_demo_news
 
     def news(dsn):
-        demodata.create_news_schema(dsn)
-        demodata.load_news_demo(dsn, posts=5000)
+        datagen.news(dsn, **datagen_demo_news())
 
     def catalog(dsn):
-        demodata.create_catalog_schema(dsn)
-        demodata.load_catalog_demo(dsn, datetime.now(UTC).date())
+        datagen.catalog(dsn, **datagen_demo_catalog(datetime.now(UTC).date()))
 
     news_dsn = _ensure_db("pin_airflow_news", news)
     catalog_dsn = _ensure_db("pin_airflow_catalog", catalog)

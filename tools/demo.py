@@ -40,6 +40,16 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def datagen_demo_news() -> dict:
+    """The demo's news volumes (also ``make airflow``'s): 5000 posts, ~3 % drifted counters."""
+    return {"posts": 5000, "comments": 20000, "drift": 0.03, "recent": 0.02}
+
+
+def datagen_demo_catalog(as_of) -> dict:
+    """The demo's catalog volumes (also ``make airflow``'s): 3200 cards, 31 nights."""
+    return {"property_objects": 3000, "projects": 200, "as_of": as_of}
+
+
 def say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -47,17 +57,16 @@ def say(msg: str) -> None:
 def news_demo() -> list[dict]:
     import psycopg
 
-    from tools.demodata import create_news_schema, load_news_demo
+    from tools import datagen
     from tools.rundag import run_dag
 
     dsn = devenv.recreate_database("pin_demo_news")
-    create_news_schema(dsn)
-    made = load_news_demo(dsn, posts=5000)
+    made = datagen.news(dsn, **datagen_demo_news())
     os.environ["AIRFLOW_CONN_NEWS_DB"] = devenv.airflow_connection(dsn)
     say(
         f"news data: {made['posts']} posts ({made['archived']} archived), {made['comments']} "
         f"comments (visible, hidden, deleted), {made['drifted']} drifted counters, "
-        f"{made['comments_changed_recently']} comments changed in the last day"
+        f"{made['comments_changed_recently']} comments changed in the last 25 hours"
     )
 
     runs = []
@@ -133,17 +142,17 @@ def news_demo() -> list[dict]:
 def catalog_demo() -> list[dict]:
     import psycopg
 
-    from tools.demodata import create_catalog_schema, load_catalog_demo
+    from tools import datagen
     from tools.rundag import run_dag
 
     today = datetime.now(UTC).date()
     dsn = devenv.recreate_database("pin_demo_catalog")
-    create_catalog_schema(dsn)
-    made = load_catalog_demo(dsn, today)
+    made = datagen.catalog(dsn, **datagen_demo_catalog(today))
     os.environ["AIRFLOW_CONN_CATALOG_DB"] = devenv.airflow_connection(dsn)
     say(
         f"\ncatalog data: {made['cards']} cards (property objects and projects, 5 % Delisted), "
-        f"{made['snapshots']} snapshots over 31 nights (3 missed), {made['poison']} poison cards"
+        f"{made['snapshots']} snapshots over the 31 nights before today (3 missed), "
+        f"{made['poison']} poison cards"
     )
     say(
         f"the {made['poison']} poison cards (NULL and negative popularity_views) are logged at "

@@ -17,6 +17,13 @@ never fail because of the job; waiting for a row lock is not a failure), and mea
 the counter UPDATE took (it waits there while the job holds the post's row lock).
 
     python -m tools.hotpath --dsn postgresql://... --seconds 10 --threads 4
+
+:func:`fixed_rate` (``--rate``) is the benchmark's open-loop mode: news and catalog transactions
+at a fixed rate each, every transaction's latency counted from its scheduled start (so a stall
+shows up in the transactions queued behind it), and the time of the row-lock statement (the
+counter UPDATE / the view increment) recorded on its own. The news transactions remove only
+comments they created themselves, so that the data can be put back afterwards (delete the
+comments created after the data's instant, restore the counters).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from tools.demodata import uuid7
+from tools.datagen import uuid7
 
 REMOVED = ("HiddenByModerator", "DeletedByAuthor")
 
@@ -320,9 +327,106 @@ class HotPathProcess:
             self.stop()
 
 
+CARD_VIEW = (
+    "UPDATE catalog.property_object_cards SET popularity_views = popularity_views + 1 WHERE id = %s"
+)
+
+
+PICK = {
+    "news": (
+        "SELECT id FROM news.posts TABLESAMPLE SYSTEM (5) "
+        "WHERE status IS DISTINCT FROM 'Archived' LIMIT 20000",
+        "SELECT id FROM news.posts WHERE status IS DISTINCT FROM 'Archived' "
+        "ORDER BY id DESC LIMIT 200",
+    ),
+    "catalog": (
+        "SELECT id FROM catalog.property_object_cards TABLESAMPLE SYSTEM (5) "
+        "WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0 LIMIT 20000",
+        "SELECT id FROM catalog.property_object_cards "
+        "WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0 "
+        "ORDER BY id DESC LIMIT 200",
+    ),
+}
+
+
+def _pick_ids(dsn: str, kind: str) -> tuple[list, list]:
+    """A random sample of the live rows and the 200 newest ones (the hot set)."""
+    with psycopg.connect(dsn) as conn:
+        return tuple([r[0] for r in conn.execute(q)] for q in PICK[kind])
+
+
+def fixed_rate(
+    dsns: dict[str, str], rate: float, stop: threading.Event, threads: int = 3, seed: int = 1
+) -> dict[str, list[tuple[float, float, float]]]:
+    """Run ``rate`` transactions per second of each kind in ``dsns`` ("news", "catalog") until
+    ``stop`` is set; half of them on the 200 newest rows. Returns, per kind, (scheduled start
+    as time.time(), latency ms from the scheduled start, row-lock statement ms) of each
+    transaction; a failure has latency -1."""
+    out: dict[str, list] = {k: [] for k in dsns}
+    workers = []
+    for kind, dsn in dsns.items():
+        sample, hot = _pick_ids(dsn, kind)
+        for i in range(threads):
+            args = (kind, dsn, sample, hot, rate / threads, i / rate, stop, out[kind], seed + i)
+            workers.append(threading.Thread(target=_paced, args=args, daemon=True))
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _paced(kind, dsn, sample, hot, rate, offset, stop, out, seed) -> None:
+    rnd = random.Random(seed)
+    mine: list = []  # comments this thread created and has not removed yet
+    conn = psycopg.connect(dsn, autocommit=kind == "catalog")
+    due = time.time() + 0.5 + offset
+    while not stop.is_set():
+        if (pause := due - time.time()) > 0:
+            time.sleep(pause)
+        row = rnd.choice(hot) if rnd.random() < 0.5 else rnd.choice(sample)
+        try:
+            with conn.cursor() as cur:
+                if kind == "catalog":
+                    t = time.perf_counter()
+                    cur.execute(CARD_VIEW, (row,))
+                    lock_s = time.perf_counter() - t
+                else:
+                    if mine and rnd.random() < 0.4:
+                        cid, row = mine.pop(rnd.randrange(len(mine)))
+                        cur.execute(
+                            "UPDATE news.comments SET status = 'HiddenByModerator', "
+                            "updated_at = now() WHERE id = %s",
+                            (cid,),
+                        )
+                        counter = DECREMENT
+                    else:
+                        cid = uuid7(datetime.now(UTC), rnd)
+                        cur.execute(INSERT_COMMENT, (cid, row))
+                        mine.append((cid, row))
+                        counter = INCREMENT
+                    t = time.perf_counter()
+                    cur.execute(counter, (row,))
+                    lock_s = time.perf_counter() - t
+                    conn.commit()
+            out.append((due, (time.time() - due) * 1000, lock_s * 1000))
+        except Exception:  # noqa: BLE001 - counted as a failure
+            out.append((due, -1.0, 0.0))
+            conn.rollback()
+        due += 1 / rate
+    conn.close()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dsn", required=True, help="libpq DSN of the news database")
+    ap.add_argument("--catalog-dsn", help="with --rate: the catalog database too")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="open-loop mode: this many transactions per second of each kind, until stdin "
+        "closes; prints every transaction as JSON",
+    )
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--hot", type=int, default=8, help="number of hot posts")
@@ -330,6 +434,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--remove-share", type=float, default=0.4)
     ap.add_argument("--posts", type=int, default=10000, help="posts to spread over (newest)")
     args = ap.parse_args(argv)
+    if args.rate:
+        import sys
+
+        stop = threading.Event()
+        dsns = {"news": args.dsn, **({"catalog": args.catalog_dsn} if args.catalog_dsn else {})}
+        threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+        print(json.dumps(fixed_rate(dsns, args.rate, stop)), flush=True)
+        return
     with psycopg.connect(args.dsn) as conn:
         ids = [
             r[0]
