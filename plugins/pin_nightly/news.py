@@ -84,8 +84,8 @@ PARAMS = {
         minimum=1,
         maximum=jobs.MAX_BATCH,
         description=f"Posts checked per batch, an integer from 1 to {jobs.MAX_BATCH}; only those "
-        "that look drifted are locked (the spec's 500 is 1.6x slower, see README "
-        "Performance)",
+        "that look drifted are locked (the spec's 500 is 1.6x slower, see bench/RESULTS.md "
+        "Design choices)",
     ),
     "window_lookback_hours": Param(
         26,
