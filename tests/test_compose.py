@@ -367,17 +367,28 @@ def test_load_examples_off_and_core_settings(services):
             assert env.get(key), f"{name}: {key} is not set"
 
 
-def test_airflow_options_exist_in_airflow_config_reference(services):
-    """Every AIRFLOW__SECTION__KEY is an option of the installed Airflow (catches typos, e.g.
-    a misspelt metrics option that Airflow would silently ignore)."""
+def known_options() -> set[tuple[str, str]]:
+    """(section, option) of the installed Airflow's configuration reference and of every
+    installed provider's (the celery provider's [celery] options, ...)."""
     spec = util.find_spec("airflow")
     reference = Path(list(spec.submodule_search_locations)[0]) / "config_templates" / "config.yml"
-    config = yaml.safe_load(reference.read_text())
-    known = {
+    sections = dict(yaml.safe_load(reference.read_text()))
+    for ep in metadata.entry_points(group="apache_airflow_provider"):
+        for section, body in (ep.load()().get("config") or {}).items():
+            sections.setdefault(section, {"options": {}})
+            sections[section]["options"] = {
+                **(sections[section].get("options") or {}),
+                **(body.get("options") or {}),
+            }
+    return {
         (section, option)
-        for section, body in config.items()
+        for section, body in sections.items()
         for option in (body.get("options") or {})
     }
+
+
+def assert_airflow_options_exist(services: dict[str, dict]) -> None:
+    known = known_options()
     for name, svc in services.items():
         for key in environment(svc):
             if not key.startswith("AIRFLOW__"):
@@ -387,8 +398,14 @@ def test_airflow_options_exist_in_airflow_config_reference(services):
                 re.sub(r"_(cmd|secret)$", "", option) if (section, option) not in known else option
             )
             assert (section, option) in known, (
-                f"{name}: {key} is no option of Airflow {AIRFLOW_VERSION} ({reference})"
+                f"{name}: {key} is no option of Airflow {AIRFLOW_VERSION} or its providers"
             )
+
+
+def test_airflow_options_exist_in_airflow_config_reference(services):
+    """Every AIRFLOW__SECTION__KEY is an option of the installed Airflow (catches typos, e.g.
+    a misspelt metrics option that Airflow would silently ignore)."""
+    assert_airflow_options_exist(services)
 
 
 def test_metrics_go_to_statsd_exporter_with_tags(services, env_example):
@@ -568,7 +585,7 @@ def _url_passwords(value: str) -> list[str]:
     ]
 
 
-def test_no_literal_secrets(compose, services):
+def assert_no_literal_secrets(compose: dict, services: dict[str, dict]) -> None:
     for name, svc in services.items():
         for key, value in environment(svc).items():
             if SECRET_NAME.search(key) and not key.endswith(("_FILE", "_PATH", "_CONN_ID")):
@@ -580,6 +597,10 @@ def test_no_literal_secrets(compose, services):
             assert _only_interpolation(password), f"literal password in URL {value!r}"
         for m in re.finditer(r"--[\w-]*password[= ]\s*\"?([^\s\"]+)", value, re.I):
             assert m[1].startswith("$"), f"literal password on a command line: {m[0]!r}"
+
+
+def test_no_literal_secrets(compose, services):
+    assert_no_literal_secrets(compose, services)
 
 
 def test_env_example_holds_placeholders_only(env_example):
@@ -616,7 +637,7 @@ def test_interpolated_variables_are_in_env_example(compose, services, env_exampl
 # --- network ---------------------------------------------------------------------------------
 
 
-def test_published_ports_bind_localhost(services, env_example):
+def assert_ports_bind_localhost(services: dict[str, dict], env_example: dict[str, str]) -> None:
     for name, svc in services.items():
         for port in published_ports(svc):
             if isinstance(port, dict):
@@ -625,19 +646,27 @@ def test_published_ports_bind_localhost(services, env_example):
                 parts = interpolate(str(port), env_example).split(":")
                 host_ip = parts[0] if len(parts) == 3 else None
             assert host_ip == "127.0.0.1", f"{name}: port {port} is published on every interface"
+
+
+def test_published_ports_bind_localhost(services, env_example):
+    assert_ports_bind_localhost(services, env_example)
     api_ports = [str(p) for p in published_ports(services["airflow-apiserver"])]
     assert any(p.startswith("127.0.0.1:") and p.endswith(":8080") for p in api_ports), (
         "the api-server's port 8080 is not published on 127.0.0.1"
     )
 
 
-def test_compose_file_matches_the_compose_spec():
-    """docker-compose.yaml against the Compose Specification's JSON schema (vendored by
-    check-jsonschema); the tests above check what only this project knows."""
+def check_compose_spec(path: Path) -> None:
     tool = Path(sys.executable).with_name("check-jsonschema")
     proc = subprocess.run(
-        [str(tool), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        [str(tool), "--builtin-schema", "vendor.compose-spec", str(path)],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_file_matches_the_compose_spec():
+    """docker-compose.yaml against the Compose Specification's JSON schema (vendored by
+    check-jsonschema); the tests above check what only this project knows."""
+    check_compose_spec(COMPOSE_FILE)
