@@ -1,6 +1,9 @@
-"""The Docker deployment (docker-compose.yaml, Dockerfile, .env.example), checked without a
-Docker engine: the files are parsed (PyYAML) and compared with the repository, the installed
-Airflow's configuration reference and each other. No database is needed."""
+"""The Docker deployment (docker-compose.yaml, its CeleryExecutor override
+docker-compose.celery.yaml, Dockerfile, .env.example), checked without a Docker engine: the files
+are parsed (PyYAML) and compared with the repository, the installed Airflow's configuration
+reference and each other; the override is also checked merged into docker-compose.yaml as
+`docker compose -f docker-compose.yaml -f docker-compose.celery.yaml` merges it. No database is
+needed."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
+CELERY_FILE = REPO / "docker-compose.celery.yaml"
 DOCKERFILE = REPO / "Dockerfile"
 ENV_EXAMPLE = REPO / ".env.example"
 JOBS_DB_INIT = REPO / "include" / "compose" / "jobs-db-init.sh"
@@ -670,3 +674,160 @@ def test_compose_file_matches_the_compose_spec():
     """docker-compose.yaml against the Compose Specification's JSON schema (vendored by
     check-jsonschema); the tests above check what only this project knows."""
     check_compose_spec(COMPOSE_FILE)
+
+
+# --- CeleryExecutor: docker-compose.celery.yaml ----------------------------------------------
+
+CELERY_SERVICES = {"redis", "airflow-worker", "flower"}
+CELERY_AIRFLOW_SERVICES = AIRFLOW_SERVICES | {"airflow-worker", "flower"}
+# sequences that an override or an extending service replaces instead of extending
+REPLACED_SEQUENCES = {"command", "entrypoint", "test"}
+
+
+def merge(base, override, key: str | None = None):
+    """Compose's merge of ``override`` into ``base`` (the rules these files rely on): mappings
+    merge key by key, commands and healthcheck tests are replaced, volumes merge by target,
+    other sequences are appended without duplicates, scalars are replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(override, list) and key not in REPLACED_SEQUENCES:
+        if key == "volumes":
+            targets = {t for _, _, t in volumes({"volumes": override})}
+            kept = [v for v, (_, _, t) in zip(base, volumes({"volumes": base})) if t not in targets]
+            return kept + override
+        return base + [v for v in override if v not in base]
+    return override
+
+
+def resolve_extends(service: dict) -> dict:
+    """A service with ``extends``: the referenced service, then this one merged over it.
+    ``depends_on`` is not inherited (Compose's documented rule): it must be declared here."""
+    ext = service.get("extends")
+    if not ext:
+        return service
+    base = yaml.safe_load((REPO / ext["file"]).read_text())["services"][ext["service"]]
+    base = {k: v for k, v in resolve_extends(base).items() if k != "depends_on"}
+    return merge(base, {k: v for k, v in service.items() if k != "extends"})
+
+
+@pytest.fixture(scope="module")
+def celery_compose() -> dict:
+    return yaml.safe_load(CELERY_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def celery_services(compose, celery_compose) -> dict[str, dict]:
+    """The services of `docker compose -f docker-compose.yaml -f docker-compose.celery.yaml`."""
+    merged = {name: resolve_extends(svc) for name, svc in compose["services"].items()}
+    for name, svc in celery_compose["services"].items():
+        merged[name] = merge(merged[name], svc) if name in merged else resolve_extends(svc)
+    return merged
+
+
+def test_celery_file_and_the_merged_project_match_the_compose_spec(
+    compose, celery_services, tmp_path
+):
+    check_compose_spec(CELERY_FILE)
+    merged = tmp_path / "docker-compose.merged.yaml"
+    merged.write_text(yaml.safe_dump({**compose, "services": celery_services}))
+    check_compose_spec(merged)
+
+
+def test_celery_services_exist_with_healthchecks(celery_compose, celery_services):
+    assert CELERY_SERVICES <= set(celery_compose["services"])
+    for name in ("redis", "airflow-worker"):
+        assert not celery_services[name].get("profiles"), f"{name} must start by default"
+    assert celery_services["flower"].get("profiles") == ["flower"], "flower only on request"
+    for name in CELERY_SERVICES:
+        svc = celery_services[name]
+        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), name
+        check = svc.get("healthcheck") or {}
+        assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
+    assert "redis-cli" in celery_services["redis"]["healthcheck"]["test"]
+    assert "--save" in celery_services["redis"]["command"]
+    # each worker answers for itself: Celery's default node name is celery@<container hostname>
+    ping = " ".join(celery_services["airflow-worker"]["healthcheck"]["test"])
+    assert re.search(r"inspect ping -d \"celery@\$\$\{HOSTNAME\}\"", ping), ping
+    assert "airflow.providers.celery.executors.celery_executor.app" in ping
+    # the broker is not published on the host
+    assert not published_ports(celery_services["redis"])
+
+
+def test_celery_workers_run_the_stack_image_with_its_mounts(celery_services):
+    worker, scheduler = celery_services["airflow-worker"], celery_services["airflow-scheduler"]
+    assert worker["command"] == "celery worker"
+    assert celery_services["flower"]["command"] == "celery flower"
+    for name in ("airflow-worker", "flower"):
+        svc = celery_services[name]
+        for key in ("image", "build", "user"):
+            assert svc.get(key) == scheduler.get(key), f"{name}: {key} differs from the scheduler"
+    mounts = {(REPO / src).resolve(): tgt for kind, src, tgt in volumes(worker) if kind == "bind"}
+    for source, target in AIRFLOW_MOUNTS.items():
+        assert mounts.get(REPO / source) == target, f"airflow-worker: ./{source} not at {target}"
+    assert (worker.get("deploy") or {}).get("replicas", 1) >= 2, "fewer than two workers"
+    assert int(environment(worker)["AIRFLOW__CELERY__WORKER_CONCURRENCY"]) >= 1
+
+
+def test_every_airflow_component_uses_the_celery_executor(celery_services, env_example):
+    redis = celery_services["redis"]
+    scheduler_env = environment(celery_services["airflow-scheduler"])
+    for name in CELERY_AIRFLOW_SERVICES:
+        env = environment(celery_services[name])
+        assert env.get("AIRFLOW__CORE__EXECUTOR") == "CeleryExecutor", name
+        broker = urllib.parse.urlsplit(interpolate(env["AIRFLOW__CELERY__BROKER_URL"], {}))
+        assert broker.scheme == "redis" and broker.hostname == "redis", name
+        assert str(broker.port or 6379) in map(str, redis.get("expose") or []), name
+        # the result backend is the metadata database, with the same credentials
+        assert (
+            env["AIRFLOW__CELERY__RESULT_BACKEND"]
+            == "db+" + env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        ), name
+        interpolate(env["AIRFLOW__CELERY__RESULT_BACKEND"], env_example)
+        # the scheduler's whole environment (secrets, metrics, traces, pin-nightly settings):
+        # a task runs in a worker as it ran in the LocalExecutor's scheduler
+        for key, value in scheduler_env.items():
+            assert env.get(key, "<unset>") == value, f"{name}: {key} differs from the scheduler"
+    # a message not acknowledged in the visibility timeout is delivered again: it must outlast
+    # the longest lease (a run never works longer than its lease's TTL)
+    from pin_nightly import catalog, news
+
+    timeout = int(scheduler_env["AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT"])
+    longest = max(m.DEFAULTS["lock_ttl_minutes"] for m in (news, catalog)) * 60
+    assert timeout > longest
+
+
+def test_celery_dependencies(celery_services):
+    for name in CELERY_AIRFLOW_SERVICES:
+        deps = celery_services[name].get("depends_on") or {}
+        assert deps.get("redis", {}).get("condition") == "service_healthy", (
+            f"{name} must wait for a healthy broker"
+        )
+        assert deps.get("postgres", {}).get("condition") == "service_healthy", name
+        if name != "airflow-init":
+            assert (
+                deps.get("airflow-init", {}).get("condition") == "service_completed_successfully"
+            ), f"{name} must start after airflow-init"
+    worker = celery_services["airflow-worker"]["depends_on"]
+    # the tasks run in the workers: they need the jobs' database and the execution API
+    assert worker["jobs-db"]["condition"] == "service_healthy"
+    assert worker["airflow-apiserver"]["condition"] == "service_healthy"
+
+
+def test_celery_file_holds_no_secrets_and_publishes_on_localhost(
+    celery_compose, celery_services, env_example
+):
+    assert_no_literal_secrets(celery_compose, celery_services)
+    assert_ports_bind_localhost(celery_services, env_example)
+    assert_airflow_options_exist(celery_services)
+    referenced = {
+        m["name"] or m["bare"]
+        for value in scalars(celery_compose)
+        for m in INTERPOLATION.finditer(value)
+    }
+    missing = referenced - set(env_example)
+    assert not missing, f"used in docker-compose.celery.yaml, missing in .env.example: {missing}"
+    for value in scalars(celery_compose):
+        interpolate(value, env_example)
