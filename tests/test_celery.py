@@ -87,7 +87,7 @@ def stack(pg_admin, tmp_path_factory):
         s.names = iter(f"w{i}" for i in range(1, 100))
         s.wait_for_dags([NEWS, CATALOG])
         two_workers(s)
-        wait_idle(s)
+        s.wait_idle([NEWS, CATALOG])
         for pool in (NEWS, CATALOG):
             s.request(
                 "PATCH",
@@ -101,25 +101,6 @@ def stack(pg_admin, tmp_path_factory):
         if s is not None:
             s.stop()
         redis.stop()
-
-
-def wait_idle(stack: CeleryStack, timeout: float = 240) -> None:
-    """Until each DAG's scheduled run of its latest slot (catchup is off; DAGs are unpaused at
-    creation here) exists and every run has ended: the tests' runs start on a quiet stack."""
-
-    def idle():
-        now = datetime.now(UTC)
-        dags = {d["dag_id"]: d for d in stack.get("/api/v2/dags?limit=100")["dags"]}
-        due = [
-            d
-            for d in (NEWS, CATALOG)
-            if dags[d]["next_dagrun_run_after"] is None
-            or datetime.fromisoformat(dags[d]["next_dagrun_run_after"]) <= now
-        ]
-        active = stack.get("/api/v2/dags/~/dagRuns?state=queued&state=running")
-        return not due and active["total_entries"] == 0
-
-    helpers.wait_for(idle, timeout=timeout, poll=1, what="the scheduled runs to end")
 
 
 def two_workers(stack: CeleryStack) -> dict[str, str]:

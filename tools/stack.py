@@ -166,6 +166,28 @@ class Stack:
             time.sleep(1)
         raise TimeoutError(f"DAGs {dag_ids} not parsed; see {self.home}/dag-processor.log")
 
+    def wait_idle(self, dag_ids: list[str], timeout: float = 240) -> None:
+        """Until each DAG's scheduled run of its latest slot exists (catchup is off: a DAG
+        unpaused at creation gets one) and every run has ended: a quiet stack."""
+        from datetime import UTC, datetime
+
+        deadline = time.monotonic() + timeout
+        while True:
+            now = datetime.now(UTC)
+            dags = {d["dag_id"]: d for d in self.get("/api/v2/dags?limit=100")["dags"]}
+            due = [
+                i
+                for i in dag_ids
+                if dags[i]["next_dagrun_run_after"] is None
+                or datetime.fromisoformat(dags[i]["next_dagrun_run_after"]) <= now
+            ]
+            active = self.get("/api/v2/dags/~/dagRuns?state=queued&state=running")
+            if not due and active["total_entries"] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not idle: slots due {due}, runs {active}")
+            time.sleep(1)
+
     def trigger(self, dag_id: str, conf: dict | None = None) -> str:
         run = self.request(
             "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}}
@@ -319,10 +341,20 @@ class CeleryStack(Stack):
         while time.monotonic() < deadline:
             if self.workers[name].poll() is not None:
                 raise RuntimeError(f"worker {name} exited; see {log_path}")
-            if f"{node} ready." in log_path.read_text(errors="replace"):
+            if self.ping(node):
                 return node
             time.sleep(0.5)
         raise TimeoutError(f"worker {name} not ready; see {log_path}")
+
+    def ping(self, node: str) -> bool:
+        """Whether Celery worker ``node`` answers a ping over the broker (it consumes)."""
+        from celery import Celery
+
+        app = Celery(broker=self.env["AIRFLOW__CELERY__BROKER_URL"])
+        try:
+            return any(node in reply for reply in app.control.ping([node], timeout=1.0))
+        finally:
+            app.close()
 
     def kill_worker(self, name: str) -> list[int]:
         """SIGKILL worker ``name`` and every process under it (its pool processes, their task
