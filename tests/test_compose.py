@@ -831,3 +831,90 @@ def test_celery_file_holds_no_secrets_and_publishes_on_localhost(
     assert not missing, f"used in docker-compose.celery.yaml, missing in .env.example: {missing}"
     for value in scalars(celery_compose):
         interpolate(value, env_example)
+
+
+# --- Kubernetes, on paper: deploy/kubernetes/ ------------------------------------------------
+# Structure only: no cluster, no Helm here.
+
+K8S = REPO / "deploy" / "kubernetes"
+
+
+@pytest.fixture(scope="module")
+def k8s_values() -> dict:
+    return yaml.safe_load((K8S / "values.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def k8s_pod() -> dict:
+    return yaml.safe_load((K8S / "pod-template.yaml").read_text())
+
+
+def k8s_dockerfile() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", (K8S / "Dockerfile").read_text())
+    return [
+        (line.partition(" ")[0].upper(), line.partition(" ")[2].strip())
+        for line in map(str.strip, text.splitlines())
+        if line and not line.startswith("#")
+    ]
+
+
+def test_k8s_values_use_the_kubernetes_executor_and_the_project_image(k8s_values, services):
+    assert k8s_values["executor"] == "KubernetesExecutor"
+    assert k8s_values["airflowVersion"] == AIRFLOW_VERSION
+    image = k8s_values["images"]["airflow"]
+    compose_repo, _, compose_tag = services["airflow-scheduler"]["image"].rpartition(":")
+    # the compose image's repository, with the code baked in on top of its tag
+    assert image["repository"] == compose_repo
+    assert image["tag"].startswith(compose_tag + "-") and image["tag"] != "latest"
+    assert k8s_values["dags"]["gitSync"]["enabled"] is False, "the DAG files are in the image"
+    assert k8s_values["postgresql"]["enabled"] is False
+    assert k8s_values["triggerer"]["enabled"] is True, "the deadline alerts need the triggerer"
+    assert k8s_values["config"]["core"]["load_examples"] == "False"
+    known = known_options()
+    sections = {s for s, _ in known}
+    for section, options in k8s_values["config"].items():
+        for option in options if section in sections else ():
+            assert (section, option) in known, f"config.{section}.{option} is no Airflow option"
+
+
+def test_k8s_secrets_come_from_kubernetes_secrets(k8s_values):
+    for key in ("fernetKey", "jwtSecret", "apiSecretKey", "webserverSecretKey"):
+        assert key not in k8s_values, f"{key} inline: use {key}SecretName"
+    for key in ("fernetKeySecretName", "jwtSecretName", "apiSecretKeySecretName"):
+        assert k8s_values.get(key), f"{key} is not set"
+    assert k8s_values["data"].get("metadataSecretName")
+    assert "metadataConnection" not in k8s_values["data"]
+    assert "pin-nightly-connections" in k8s_values["extraEnvFrom"]
+    for value in scalars(k8s_values):
+        assert not _url_passwords(value), f"a password in values.yaml: {value!r}"
+
+
+def test_k8s_pod_template_runs_the_image_with_the_jobs_settings(k8s_values, k8s_pod):
+    assert k8s_pod["kind"] == "Pod" and k8s_pod["spec"]["restartPolicy"] == "Never"
+    (base,) = [c for c in k8s_pod["spec"]["containers"] if c["name"] == "base"]
+    image = k8s_values["images"]["airflow"]
+    assert base["image"] == f"{image['repository']}:{image['tag']}"
+    env = {e["name"]: e.get("value") for e in base["env"]}
+    values_env = {e["name"]: e["value"] for e in k8s_values["env"]}
+    for key in ("PIN_SQL_DIR", "PIN_ALERT_CONN_ID"):
+        assert env[key] == values_env[key], key
+    secrets = [s["secretRef"]["name"] for s in base["envFrom"]]
+    assert secrets == ["pin-nightly-connections"]
+    # a graceful stop (SIGTERM) lets the batch in flight end
+    assert k8s_pod["spec"]["terminationGracePeriodSeconds"] >= 30
+
+
+def test_k8s_image_bakes_in_what_compose_mounts(services, k8s_values):
+    instructions = k8s_dockerfile()
+    froms = [rest for keyword, rest in instructions if keyword == "FROM"]
+    assert froms == [services["airflow-scheduler"]["image"]], "built on the compose image"
+    copied = {}
+    for keyword, rest in instructions:
+        if keyword == "COPY":
+            *sources, target = [a for a in shlex.split(rest) if not a.startswith("--")]
+            copied.update({s.rstrip("/"): target.rstrip("/") for s in sources})
+    assert copied == AIRFLOW_MOUNTS, "the image holds what docker-compose.yaml mounts, there"
+    env = dict(a.split("=", 1) for k, rest in instructions if k == "ENV" for a in rest.split())
+    assert env["PIN_SQL_DIR"] == AIRFLOW_MOUNTS["include"] + "/sql"
+    assert env["PIN_SQL_DIR"] == {e["name"]: e["value"] for e in k8s_values["env"]}["PIN_SQL_DIR"]
+    assert (REPO / "include" / "sql").is_dir()
