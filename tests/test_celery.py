@@ -375,31 +375,34 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
     helpers.install_gate(db, "catalog.property_object_cards", gated)
     gate = psycopg.connect(db.dsn, autocommit=True)
     gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
-    try:
-        run_id = stack.trigger(CATALOG, {"max_ranges": 4, "batch_size": batch})
-        helpers.wait_for(
-            lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
-        )
-        sweep = db.one(
-            "SELECT sweep_id FROM pin_nightly.sweep WHERE run_id = %s AND family = "
-            "'PropertyObject'",
-            run_id,
-        )
-        victim_ti = wait_until_none_queued(stack, CATALOG, run_id, "recompute_property_objects", 0)
-        victim = nodes[victim_ti["hostname"]]
-        cursor, done_rows = db.q(
-            "SELECT cursor_id::text, rows_processed FROM pin_nightly.sweep_range "
-            "WHERE sweep_id = %s AND range_no = 0",
-            sweep,
-        )[0]
-        kill(stack, victim, victim_ti)
-    finally:
-        gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
-        gate.close()
-        helpers.remove_gate(db, "catalog.property_object_cards")
-    assert cursor is not None and po[0] <= cursor < gated
-    assert done_rows == po.index(cursor) + 1
-    assert stack.wait_run(CATALOG, run_id, timeout=RUN_TIMEOUT) == "success"
+    with JobConnections(db.dsn) as jc:
+        try:
+            run_id = stack.trigger(CATALOG, {"max_ranges": 4, "batch_size": batch})
+            helpers.wait_for(
+                lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
+            )
+            sweep = db.one(
+                "SELECT sweep_id FROM pin_nightly.sweep WHERE run_id = %s AND family = "
+                "'PropertyObject'",
+                run_id,
+            )
+            victim_ti = wait_until_none_queued(
+                stack, CATALOG, run_id, "recompute_property_objects", 0
+            )
+            victim = nodes[victim_ti["hostname"]]
+            cursor, done_rows = db.q(
+                "SELECT cursor_id::text, rows_processed FROM pin_nightly.sweep_range "
+                "WHERE sweep_id = %s AND range_no = 0",
+                sweep,
+            )[0]
+            kill(stack, victim, victim_ti)
+        finally:
+            gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
+            gate.close()
+            helpers.remove_gate(db, "catalog.property_object_cards")
+        assert cursor is not None and po[0] <= cursor < gated
+        assert done_rows == po.index(cursor) + 1
+        assert stack.wait_run(CATALOG, run_id, timeout=RUN_TIMEOUT) == "success"
 
     survivor = next(n for n, name in nodes.items() if name != victim)
     history0 = tries(stack, CATALOG, run_id, "recompute_property_objects", 0)
@@ -413,6 +416,17 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
     assert f"cursor={po[po.index(cursor) + batch]} " in first, first
     tis = mapped_tis(stack, CATALOG, run_id, "recompute_property_objects")
     assert len(tis) == 4 and {t["hostname"] for t in tis} <= set(nodes)
+    # sessions: acquire_lease 1, a plan per pass 1, each range 2 (4 + 2 ranges), retention 2,
+    # summarize 2, release_lease 1; and 2 more per range attempt lost with its worker
+    projects = mapped_tis(stack, CATALOG, run_id, "recompute_projects")
+    lost = sum(t["try_number"] - 1 for t in tis + projects)
+    print(f"job sessions opened: {jc.opened} ({lost} range attempt(s) lost)")
+    assert len(projects) == 2 and lost >= 1
+    base = 2 * (4 + 2) + 8
+    if lost == 1:  # the held range's attempt, which had opened both of its connections
+        assert jc.opened == base + 2
+    else:  # another attempt lost with it may have died before connecting
+        assert base + 2 <= jc.opened <= base + 2 * lost
     # each card read and snapshotted once (the counters move in the batches' transactions)
     ranges = db.q(
         "SELECT rows_processed, rows_written FROM pin_nightly.sweep_range WHERE sweep_id = %s "
