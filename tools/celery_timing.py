@@ -4,7 +4,7 @@ scale, its counters restored before every run), a throw-away Redis, and a :class
 whose news pool has as many slots as ranges, so that only the workers limit how many ranges run
 at once (workers x concurrency).
 
-    .venv/bin/python -m tools.celery_timing [--scale 1] [--batch-size 200] [--repeat 2]
+    .venv/bin/python -m tools.celery_timing [--scale 0.25] [--batch-size 50] [--repeat 2]
                                             [--setups 1x1,2x1,1x2,2x2]
 
 Prints, per setup, each run's duration (the DAG run, from its start to its end), the ranges' wall
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -71,11 +72,14 @@ def measure(stack: CeleryStack, dsn: str, batch_size: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=int, default=200)
+    parser.add_argument("--scale", type=float, default=0.25)
+    parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--setups", default=SETUPS, help=f"workers x concurrency ({SETUPS})")
     args = parser.parse_args()
+    # SIGTERM (also the only stop signal of a background job) stops the stack, Redis and the
+    # embedded PostgreSQL like Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import psycopg
 
