@@ -31,7 +31,7 @@ import pytest
 from tests import helpers
 from tests.conftest import SUFFIX
 from tools import devenv
-from tools.demodata import copy_rows
+from tools.datagen import copy_rows
 from tools.stack import CeleryStack, Redis, celery_settings, free_port, stack_env
 
 

@@ -1,6 +1,6 @@
 """How long a 4-range news FullSweep takes on the CeleryExecutor with 1 and with 2 workers
-(README, "Scale-out"): the benchmark's news data (``bench/generate.py``, generated once per
-scale, its counters restored before every run), a throw-away Redis, and a :class:`CeleryStack`
+(README, "Scale-out"): the benchmark's news data (``bench/data.py``, generated once per scale,
+its counters restored before every run), a throw-away Redis, and a :class:`CeleryStack`
 whose news pool has as many slots as ranges, so that only the workers limit how many ranges run
 at once (workers x concurrency).
 
@@ -47,7 +47,7 @@ def most_at_once(spans: list[tuple[str, str]]) -> int:
 
 
 def measure(stack: CeleryStack, dsn: str, batch_size: int) -> dict:
-    from bench.generate import reset_news
+    from bench.data import reset_news
 
     reset_news(dsn)
     run_id = stack.trigger(
@@ -84,8 +84,8 @@ def main() -> int:
     import psycopg
 
     from bench.common import news_db
-    from bench.generate import ensure_news
-    from tools.demodata import create_catalog_schema
+    from bench.data import ensure_news
+    from tools.datagen import create_catalog_schema
 
     meta = ensure_news(args.scale)
     news_dsn = devenv.dsn_for(news_db(args.scale))
