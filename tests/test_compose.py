@@ -1,6 +1,9 @@
-"""The Docker deployment (docker-compose.yaml, Dockerfile, .env.example), checked without a
-Docker engine: the files are parsed (PyYAML) and compared with the repository, the installed
-Airflow's configuration reference and each other. No database is needed."""
+"""The Docker deployment (docker-compose.yaml, its CeleryExecutor override
+docker-compose.celery.yaml, Dockerfile, .env.example), checked without a Docker engine: the files
+are parsed (PyYAML) and compared with the repository, the installed Airflow's configuration
+reference and each other; the override is also checked merged into docker-compose.yaml as
+`docker compose -f docker-compose.yaml -f docker-compose.celery.yaml` merges it. No database is
+needed."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
+CELERY_FILE = REPO / "docker-compose.celery.yaml"
 DOCKERFILE = REPO / "Dockerfile"
 ENV_EXAMPLE = REPO / ".env.example"
 JOBS_DB_INIT = REPO / "include" / "compose" / "jobs-db-init.sh"
@@ -367,17 +371,28 @@ def test_load_examples_off_and_core_settings(services):
             assert env.get(key), f"{name}: {key} is not set"
 
 
-def test_airflow_options_exist_in_airflow_config_reference(services):
-    """Every AIRFLOW__SECTION__KEY is an option of the installed Airflow (catches typos, e.g.
-    a misspelt metrics option that Airflow would silently ignore)."""
+def known_options() -> set[tuple[str, str]]:
+    """(section, option) of the installed Airflow's configuration reference and of every
+    installed provider's (the celery provider's [celery] options, ...)."""
     spec = util.find_spec("airflow")
     reference = Path(list(spec.submodule_search_locations)[0]) / "config_templates" / "config.yml"
-    config = yaml.safe_load(reference.read_text())
-    known = {
+    sections = dict(yaml.safe_load(reference.read_text()))
+    for ep in metadata.entry_points(group="apache_airflow_provider"):
+        for section, body in (ep.load()().get("config") or {}).items():
+            sections.setdefault(section, {"options": {}})
+            sections[section]["options"] = {
+                **(sections[section].get("options") or {}),
+                **(body.get("options") or {}),
+            }
+    return {
         (section, option)
-        for section, body in config.items()
+        for section, body in sections.items()
         for option in (body.get("options") or {})
     }
+
+
+def assert_airflow_options_exist(services: dict[str, dict]) -> None:
+    known = known_options()
     for name, svc in services.items():
         for key in environment(svc):
             if not key.startswith("AIRFLOW__"):
@@ -387,8 +402,14 @@ def test_airflow_options_exist_in_airflow_config_reference(services):
                 re.sub(r"_(cmd|secret)$", "", option) if (section, option) not in known else option
             )
             assert (section, option) in known, (
-                f"{name}: {key} is no option of Airflow {AIRFLOW_VERSION} ({reference})"
+                f"{name}: {key} is no option of Airflow {AIRFLOW_VERSION} or its providers"
             )
+
+
+def test_airflow_options_exist_in_airflow_config_reference(services):
+    """Every AIRFLOW__SECTION__KEY is an option of the installed Airflow (catches typos, e.g.
+    a misspelt metrics option that Airflow would silently ignore)."""
+    assert_airflow_options_exist(services)
 
 
 def test_metrics_go_to_statsd_exporter_with_tags(services, env_example):
@@ -568,7 +589,7 @@ def _url_passwords(value: str) -> list[str]:
     ]
 
 
-def test_no_literal_secrets(compose, services):
+def assert_no_literal_secrets(compose: dict, services: dict[str, dict]) -> None:
     for name, svc in services.items():
         for key, value in environment(svc).items():
             if SECRET_NAME.search(key) and not key.endswith(("_FILE", "_PATH", "_CONN_ID")):
@@ -580,6 +601,10 @@ def test_no_literal_secrets(compose, services):
             assert _only_interpolation(password), f"literal password in URL {value!r}"
         for m in re.finditer(r"--[\w-]*password[= ]\s*\"?([^\s\"]+)", value, re.I):
             assert m[1].startswith("$"), f"literal password on a command line: {m[0]!r}"
+
+
+def test_no_literal_secrets(compose, services):
+    assert_no_literal_secrets(compose, services)
 
 
 def test_env_example_holds_placeholders_only(env_example):
@@ -616,7 +641,7 @@ def test_interpolated_variables_are_in_env_example(compose, services, env_exampl
 # --- network ---------------------------------------------------------------------------------
 
 
-def test_published_ports_bind_localhost(services, env_example):
+def assert_ports_bind_localhost(services: dict[str, dict], env_example: dict[str, str]) -> None:
     for name, svc in services.items():
         for port in published_ports(svc):
             if isinstance(port, dict):
@@ -625,19 +650,271 @@ def test_published_ports_bind_localhost(services, env_example):
                 parts = interpolate(str(port), env_example).split(":")
                 host_ip = parts[0] if len(parts) == 3 else None
             assert host_ip == "127.0.0.1", f"{name}: port {port} is published on every interface"
+
+
+def test_published_ports_bind_localhost(services, env_example):
+    assert_ports_bind_localhost(services, env_example)
     api_ports = [str(p) for p in published_ports(services["airflow-apiserver"])]
     assert any(p.startswith("127.0.0.1:") and p.endswith(":8080") for p in api_ports), (
         "the api-server's port 8080 is not published on 127.0.0.1"
     )
 
 
-def test_compose_file_matches_the_compose_spec():
-    """docker-compose.yaml against the Compose Specification's JSON schema (vendored by
-    check-jsonschema); the tests above check what only this project knows."""
+def check_compose_spec(path: Path) -> None:
     tool = Path(sys.executable).with_name("check-jsonschema")
     proc = subprocess.run(
-        [str(tool), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        [str(tool), "--builtin-schema", "vendor.compose-spec", str(path)],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_file_matches_the_compose_spec():
+    """docker-compose.yaml against the Compose Specification's JSON schema (vendored by
+    check-jsonschema); the tests above check what only this project knows."""
+    check_compose_spec(COMPOSE_FILE)
+
+
+# --- CeleryExecutor: docker-compose.celery.yaml ----------------------------------------------
+
+CELERY_SERVICES = {"redis", "airflow-worker", "flower"}
+CELERY_AIRFLOW_SERVICES = AIRFLOW_SERVICES | {"airflow-worker", "flower"}
+# sequences that an override or an extending service replaces instead of extending
+REPLACED_SEQUENCES = {"command", "entrypoint", "test"}
+
+
+def merge(base, override, key: str | None = None):
+    """Compose's merge of ``override`` into ``base`` (the rules these files rely on): mappings
+    merge key by key, commands and healthcheck tests are replaced, volumes merge by target,
+    other sequences are appended without duplicates, scalars are replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(override, list) and key not in REPLACED_SEQUENCES:
+        if key == "volumes":
+            targets = {t for _, _, t in volumes({"volumes": override})}
+            kept = [v for v, (_, _, t) in zip(base, volumes({"volumes": base})) if t not in targets]
+            return kept + override
+        return base + [v for v in override if v not in base]
+    return override
+
+
+def resolve_extends(service: dict) -> dict:
+    """A service with ``extends``: the referenced service, then this one merged over it.
+    ``depends_on`` is not inherited (Compose's documented rule): it must be declared here."""
+    ext = service.get("extends")
+    if not ext:
+        return service
+    base = yaml.safe_load((REPO / ext["file"]).read_text())["services"][ext["service"]]
+    base = {k: v for k, v in resolve_extends(base).items() if k != "depends_on"}
+    return merge(base, {k: v for k, v in service.items() if k != "extends"})
+
+
+@pytest.fixture(scope="module")
+def celery_compose() -> dict:
+    return yaml.safe_load(CELERY_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def celery_services(compose, celery_compose) -> dict[str, dict]:
+    """The services of `docker compose -f docker-compose.yaml -f docker-compose.celery.yaml`."""
+    merged = {name: resolve_extends(svc) for name, svc in compose["services"].items()}
+    for name, svc in celery_compose["services"].items():
+        merged[name] = merge(merged[name], svc) if name in merged else resolve_extends(svc)
+    return merged
+
+
+def test_celery_file_and_the_merged_project_match_the_compose_spec(
+    compose, celery_services, tmp_path
+):
+    check_compose_spec(CELERY_FILE)
+    merged = tmp_path / "docker-compose.merged.yaml"
+    merged.write_text(yaml.safe_dump({**compose, "services": celery_services}))
+    check_compose_spec(merged)
+
+
+def test_celery_services_exist_with_healthchecks(celery_compose, celery_services):
+    assert CELERY_SERVICES <= set(celery_compose["services"])
+    for name in ("redis", "airflow-worker"):
+        assert not celery_services[name].get("profiles"), f"{name} must start by default"
+    assert celery_services["flower"].get("profiles") == ["flower"], "flower only on request"
+    for name in CELERY_SERVICES:
+        svc = celery_services[name]
+        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), name
+        check = svc.get("healthcheck") or {}
+        assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
+    assert "redis-cli" in celery_services["redis"]["healthcheck"]["test"]
+    assert "--save" in celery_services["redis"]["command"]
+    # each worker answers for itself: Celery's default node name is celery@<container hostname>
+    ping = " ".join(celery_services["airflow-worker"]["healthcheck"]["test"])
+    assert re.search(r"inspect ping -d \"celery@\$\$\{HOSTNAME\}\"", ping), ping
+    assert "airflow.providers.celery.executors.celery_executor.app" in ping
+    # the broker is not published on the host
+    assert not published_ports(celery_services["redis"])
+
+
+def test_celery_workers_run_the_stack_image_with_its_mounts(celery_services):
+    worker, scheduler = celery_services["airflow-worker"], celery_services["airflow-scheduler"]
+    assert worker["command"] == "celery worker"
+    assert celery_services["flower"]["command"] == "celery flower"
+    for name in ("airflow-worker", "flower"):
+        svc = celery_services[name]
+        for key in ("image", "build", "user"):
+            assert svc.get(key) == scheduler.get(key), f"{name}: {key} differs from the scheduler"
+    mounts = {(REPO / src).resolve(): tgt for kind, src, tgt in volumes(worker) if kind == "bind"}
+    for source, target in AIRFLOW_MOUNTS.items():
+        assert mounts.get(REPO / source) == target, f"airflow-worker: ./{source} not at {target}"
+    assert (worker.get("deploy") or {}).get("replicas", 1) >= 2, "fewer than two workers"
+    assert int(environment(worker)["AIRFLOW__CELERY__WORKER_CONCURRENCY"]) >= 1
+
+
+def test_every_airflow_component_uses_the_celery_executor(celery_services, env_example):
+    redis = celery_services["redis"]
+    scheduler_env = environment(celery_services["airflow-scheduler"])
+    for name in CELERY_AIRFLOW_SERVICES:
+        env = environment(celery_services[name])
+        assert env.get("AIRFLOW__CORE__EXECUTOR") == "CeleryExecutor", name
+        broker = urllib.parse.urlsplit(interpolate(env["AIRFLOW__CELERY__BROKER_URL"], {}))
+        assert broker.scheme == "redis" and broker.hostname == "redis", name
+        assert str(broker.port or 6379) in map(str, redis.get("expose") or []), name
+        # the result backend is the metadata database, with the same credentials
+        assert (
+            env["AIRFLOW__CELERY__RESULT_BACKEND"]
+            == "db+" + env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        ), name
+        interpolate(env["AIRFLOW__CELERY__RESULT_BACKEND"], env_example)
+        # the scheduler's whole environment (secrets, metrics, traces, pin-nightly settings):
+        # a task runs in a worker as it ran in the LocalExecutor's scheduler
+        for key, value in scheduler_env.items():
+            assert env.get(key, "<unset>") == value, f"{name}: {key} differs from the scheduler"
+    # a message not acknowledged in the visibility timeout is delivered again: it must outlast
+    # the longest lease (a run never works longer than its lease's TTL)
+    from pin_nightly import catalog, news
+
+    timeout = int(scheduler_env["AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT"])
+    longest = max(m.DEFAULTS["lock_ttl_minutes"] for m in (news, catalog)) * 60
+    assert timeout > longest
+
+
+def test_celery_dependencies(celery_services):
+    for name in CELERY_AIRFLOW_SERVICES:
+        deps = celery_services[name].get("depends_on") or {}
+        assert deps.get("redis", {}).get("condition") == "service_healthy", (
+            f"{name} must wait for a healthy broker"
+        )
+        assert deps.get("postgres", {}).get("condition") == "service_healthy", name
+        if name != "airflow-init":
+            assert (
+                deps.get("airflow-init", {}).get("condition") == "service_completed_successfully"
+            ), f"{name} must start after airflow-init"
+    worker = celery_services["airflow-worker"]["depends_on"]
+    # the tasks run in the workers: they need the jobs' database and the execution API
+    assert worker["jobs-db"]["condition"] == "service_healthy"
+    assert worker["airflow-apiserver"]["condition"] == "service_healthy"
+
+
+def test_celery_file_holds_no_secrets_and_publishes_on_localhost(
+    celery_compose, celery_services, env_example
+):
+    assert_no_literal_secrets(celery_compose, celery_services)
+    assert_ports_bind_localhost(celery_services, env_example)
+    assert_airflow_options_exist(celery_services)
+    referenced = {
+        m["name"] or m["bare"]
+        for value in scalars(celery_compose)
+        for m in INTERPOLATION.finditer(value)
+    }
+    missing = referenced - set(env_example)
+    assert not missing, f"used in docker-compose.celery.yaml, missing in .env.example: {missing}"
+    for value in scalars(celery_compose):
+        interpolate(value, env_example)
+
+
+# --- Kubernetes, on paper: deploy/kubernetes/ ------------------------------------------------
+# Structure only: no cluster, no Helm here.
+
+K8S = REPO / "deploy" / "kubernetes"
+
+
+@pytest.fixture(scope="module")
+def k8s_values() -> dict:
+    return yaml.safe_load((K8S / "values.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def k8s_pod() -> dict:
+    return yaml.safe_load((K8S / "pod-template.yaml").read_text())
+
+
+def k8s_dockerfile() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", (K8S / "Dockerfile").read_text())
+    return [
+        (line.partition(" ")[0].upper(), line.partition(" ")[2].strip())
+        for line in map(str.strip, text.splitlines())
+        if line and not line.startswith("#")
+    ]
+
+
+def test_k8s_values_use_the_kubernetes_executor_and_the_project_image(k8s_values, services):
+    assert k8s_values["executor"] == "KubernetesExecutor"
+    assert k8s_values["airflowVersion"] == AIRFLOW_VERSION
+    image = k8s_values["images"]["airflow"]
+    compose_repo, _, compose_tag = services["airflow-scheduler"]["image"].rpartition(":")
+    # the compose image's repository, with the code baked in on top of its tag
+    assert image["repository"] == compose_repo
+    assert image["tag"].startswith(compose_tag + "-") and image["tag"] != "latest"
+    assert k8s_values["dags"]["gitSync"]["enabled"] is False, "the DAG files are in the image"
+    assert k8s_values["postgresql"]["enabled"] is False
+    assert k8s_values["triggerer"]["enabled"] is True, "the deadline alerts need the triggerer"
+    assert k8s_values["config"]["core"]["load_examples"] == "False"
+    known = known_options()
+    sections = {s for s, _ in known}
+    for section, options in k8s_values["config"].items():
+        for option in options if section in sections else ():
+            assert (section, option) in known, f"config.{section}.{option} is no Airflow option"
+
+
+def test_k8s_secrets_come_from_kubernetes_secrets(k8s_values):
+    for key in ("fernetKey", "jwtSecret", "apiSecretKey", "webserverSecretKey"):
+        assert key not in k8s_values, f"{key} inline: use {key}SecretName"
+    for key in ("fernetKeySecretName", "jwtSecretName", "apiSecretKeySecretName"):
+        assert k8s_values.get(key), f"{key} is not set"
+    assert k8s_values["data"].get("metadataSecretName")
+    assert "metadataConnection" not in k8s_values["data"]
+    assert "pin-nightly-connections" in k8s_values["extraEnvFrom"]
+    for value in scalars(k8s_values):
+        assert not _url_passwords(value), f"a password in values.yaml: {value!r}"
+
+
+def test_k8s_pod_template_runs_the_image_with_the_jobs_settings(k8s_values, k8s_pod):
+    assert k8s_pod["kind"] == "Pod" and k8s_pod["spec"]["restartPolicy"] == "Never"
+    (base,) = [c for c in k8s_pod["spec"]["containers"] if c["name"] == "base"]
+    image = k8s_values["images"]["airflow"]
+    assert base["image"] == f"{image['repository']}:{image['tag']}"
+    env = {e["name"]: e.get("value") for e in base["env"]}
+    values_env = {e["name"]: e["value"] for e in k8s_values["env"]}
+    for key in ("PIN_SQL_DIR", "PIN_ALERT_CONN_ID"):
+        assert env[key] == values_env[key], key
+    secrets = [s["secretRef"]["name"] for s in base["envFrom"]]
+    assert secrets == ["pin-nightly-connections"]
+    # a graceful stop (SIGTERM) lets the batch in flight end
+    assert k8s_pod["spec"]["terminationGracePeriodSeconds"] >= 30
+
+
+def test_k8s_image_bakes_in_what_compose_mounts(services, k8s_values):
+    instructions = k8s_dockerfile()
+    froms = [rest for keyword, rest in instructions if keyword == "FROM"]
+    assert froms == [services["airflow-scheduler"]["image"]], "built on the compose image"
+    copied = {}
+    for keyword, rest in instructions:
+        if keyword == "COPY":
+            *sources, target = [a for a in shlex.split(rest) if not a.startswith("--")]
+            copied.update({s.rstrip("/"): target.rstrip("/") for s in sources})
+    assert copied == AIRFLOW_MOUNTS, "the image holds what docker-compose.yaml mounts, there"
+    env = dict(a.split("=", 1) for k, rest in instructions if k == "ENV" for a in rest.split())
+    assert env["PIN_SQL_DIR"] == AIRFLOW_MOUNTS["include"] + "/sql"
+    assert env["PIN_SQL_DIR"] == {e["name"]: e["value"] for e in k8s_values["env"]}["PIN_SQL_DIR"]
+    assert (REPO / "include" / "sql").is_dir()

@@ -1,10 +1,14 @@
 """A real Airflow on loopback: scheduler, dag-processor, triggerer and api-server processes
-with their metadata on PostgreSQL (used by the end-to-end tests and ``make airflow``)."""
+with their metadata on PostgreSQL (used by the end-to-end tests and ``make airflow``); with
+:class:`CeleryStack`, on the CeleryExecutor with Celery workers as separate processes and a
+throw-away Redis (:class:`Redis`) as the broker."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -162,6 +166,28 @@ class Stack:
             time.sleep(1)
         raise TimeoutError(f"DAGs {dag_ids} not parsed; see {self.home}/dag-processor.log")
 
+    def wait_idle(self, dag_ids: list[str], timeout: float = 240) -> None:
+        """Until each DAG's scheduled run of its latest slot exists (catchup is off: a DAG
+        unpaused at creation gets one) and every run has ended: a quiet stack."""
+        from datetime import UTC, datetime
+
+        deadline = time.monotonic() + timeout
+        while True:
+            now = datetime.now(UTC)
+            dags = {d["dag_id"]: d for d in self.get("/api/v2/dags?limit=100")["dags"]}
+            due = [
+                i
+                for i in dag_ids
+                if dags[i]["next_dagrun_run_after"] is None
+                or datetime.fromisoformat(dags[i]["next_dagrun_run_after"]) <= now
+            ]
+            active = self.get("/api/v2/dags/~/dagRuns?state=queued&state=running")
+            if not due and active["total_entries"] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not idle: slots due {due}, runs {active}")
+            time.sleep(1)
+
     def trigger(self, dag_id: str, conf: dict | None = None) -> str:
         run = self.request(
             "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}}
@@ -190,3 +216,189 @@ class Stack:
             ]
             for t in tis["task_instances"]
         }
+
+
+# --- CeleryExecutor ------------------------------------------------------------------------
+
+
+def worker_hostname() -> str:
+    """``[core] hostname_callable`` of the workers of :class:`CeleryStack`: the name the worker
+    was started with (``PIN_WORKER_HOSTNAME``). Task instances record it as their ``hostname``,
+    which tells workers on one machine apart (on separate hosts or containers the default, the
+    machine's FQDN, already does)."""
+    return os.environ.get("PIN_WORKER_HOSTNAME") or socket.getfqdn()
+
+
+class Redis:
+    """A throw-away ``redis-server`` (Debian's package) on a free loopback port: no RDB
+    snapshots, no AOF, its own directory; the Celery broker of :class:`CeleryStack`."""
+
+    def __init__(self, directory: Path, exe: str | None = None):
+        self.exe = exe or shutil.which("redis-server")
+        self.dir = directory
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30) -> Redis:
+        if not self.exe:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                self.exe,
+                "--bind", "127.0.0.1",
+                "--port", str(self.port),
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.dir),
+                "--logfile", str(self.dir / "redis.log"),
+                "--daemonize", "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited; see {self.dir / 'redis.log'}")
+            if self.ping():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer; see {self.dir / 'redis.log'}")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def celery_settings(env: dict[str, str], broker_url: str) -> dict[str, str]:
+    """The CeleryExecutor settings of a stack environment: ``broker_url`` as the broker, the
+    metadata database (``db+`` its SQLAlchemy URL) as the result backend."""
+    return {
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__CELERY__BROKER_URL": broker_url,
+        "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"],
+    }
+
+
+class CeleryStack(Stack):
+    """A :class:`Stack` on the CeleryExecutor (its environment from :func:`celery_settings`)
+    plus Celery workers, each an ``airflow celery worker`` process of its own."""
+
+    def __init__(self, home: Path, env: dict[str, str]):
+        super().__init__(home, env)
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def node(self, name: str) -> str:
+        """Celery node name of worker ``name`` (also its task instances' hostname)."""
+        return f"{name}@{self.home.name}"
+
+    def start_worker(self, name: str, concurrency: int = 2, timeout: float = 90) -> str:
+        """Start worker ``name``; return its node name once it consumes tasks."""
+        exe = devenv.REPO / ".venv" / "bin" / "airflow"
+        node = self.node(name)
+        env = {
+            **self.env,
+            "PIN_WORKER_HOSTNAME": node,
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "tools.stack.worker_hostname",
+        }
+        log_path = self.home / f"worker-{name}.log"
+        log = open(log_path, "w")  # noqa: SIM115 - closed by the process
+        self.workers[name] = subprocess.Popen(
+            [
+                str(exe), "celery", "worker",
+                "--celery-hostname", node,
+                "--concurrency", str(concurrency),
+                "--pid", str(self.home / f"worker-{name}.pid"),
+                # task logs are files under the shared AIRFLOW_HOME, which the api-server reads
+                "--skip-serve-logs",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.workers[name].poll() is not None:
+                raise RuntimeError(f"worker {name} exited; see {log_path}")
+            if self.ping(node):
+                return node
+            time.sleep(0.5)
+        raise TimeoutError(f"worker {name} not ready; see {log_path}")
+
+    def ping(self, node: str) -> bool:
+        """Whether Celery worker ``node`` answers a ping over the broker (it consumes)."""
+        from celery import Celery
+
+        app = Celery(broker=self.env["AIRFLOW__CELERY__BROKER_URL"])
+        try:
+            return any(node in reply for reply in app.control.ping([node], timeout=1.0))
+        finally:
+            app.close()
+
+    def kill_worker(self, name: str) -> list[int]:
+        """SIGKILL worker ``name`` and every process under it (its pool processes, their task
+        supervisors and task processes), as a lost host would; return their pids."""
+        import psutil
+
+        proc = self.workers.pop(name)
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in tree:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+        proc.wait()
+        return [p.pid for p in tree]
+
+    def stop_worker(self, name: str, timeout: float = 30) -> None:
+        """SIGTERM (Celery's warm shutdown), SIGKILL after ``timeout``, and whatever the worker
+        left behind."""
+        import psutil
+
+        proc = self.workers.pop(name)
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for c in children:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(children, timeout=10)
+
+    def stop(self) -> None:
+        for name in list(self.workers):
+            self.stop_worker(name)
+        super().stop()
