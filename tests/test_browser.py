@@ -17,8 +17,6 @@ import os
 import re
 import secrets
 import shutil
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -81,26 +79,6 @@ class LoginStack(Stack):
 
     def manual_runs(self, dag_id: str) -> int:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns?run_type=manual")["total_entries"]
-
-    def wait_idle(self, dag_ids: tuple[str, ...] = (NEWS, CATALOG), timeout: float = 240) -> None:
-        """Until the scheduled run of each DAG's latest slot (catchup is off: unpausing creates
-        it) exists and every run has ended: a flow that makes runs starts from a quiet stack."""
-        deadline = time.monotonic() + timeout
-        while True:
-            now = datetime.now(UTC)
-            dags = {d["dag_id"]: d for d in self.get("/api/v2/dags?limit=100")["dags"]}
-            due = [
-                i
-                for i in dag_ids
-                if dags[i]["next_dagrun_run_after"] is None
-                or datetime.fromisoformat(dags[i]["next_dagrun_run_after"]) <= now
-            ]
-            active = self.get("/api/v2/dags/~/dagRuns?state=queued&state=running")
-            if not due and active["total_entries"] == 0:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stack not idle: slots due {due}, runs {active}")
-            time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +357,7 @@ def sweep_run(ui, stack, shots) -> str:
     """A news FullSweep of 60 drifted posts in 3 ranges, triggered from the form; ends green."""
     page = ui
     db = stack.news
-    stack.wait_idle()
+    stack.wait_idle([NEWS, CATALOG])
     db.q("TRUNCATE news.posts, news.comments")
     db.posts(60, drift_every=1)
     form = open_trigger_form(page, NEWS)
@@ -444,7 +422,7 @@ def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(
 
 def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
     db = stack.news
-    stack.wait_idle()
+    stack.wait_idle([NEWS, CATALOG])
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(60, drift_every=1)
     poison = ids[45]

@@ -26,6 +26,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM each process, SIGKILL after ``timeout``, then kill the processes they had
+    started (the children a parent leaves behind when it dies first)."""
+    import psutil
+
+    children: list[psutil.Process] = []
+    for p in procs:
+        try:
+            children += psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for c in children:
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=10)
+
+
 def stack_env(
     home: Path, metadata_dsn: str, port: int, extra: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -115,28 +142,7 @@ class Stack:
         """Terminate the components (SIGKILL after 30 s), then the processes they started and
         left behind (a scheduler killed in its shutdown leaves its executor workers and log
         server running)."""
-        import psutil
-
-        children: list[psutil.Process] = []
-        for p in self.procs.values():
-            try:
-                children += psutil.Process(p.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                pass
-        for p in self.procs.values():
-            p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for c in children:
-            try:
-                c.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(children, timeout=10)
+        stop_processes(list(self.procs.values()))
 
     def headers(self, path: str) -> dict[str, str]:  # noqa: ARG002 - a subclass may need it
         """Headers of a REST call to ``path`` (a stack behind a login adds its token)."""
@@ -378,25 +384,7 @@ class CeleryStack(Stack):
     def stop_worker(self, name: str, timeout: float = 30) -> None:
         """SIGTERM (Celery's warm shutdown), SIGKILL after ``timeout``, and whatever the worker
         left behind."""
-        import psutil
-
-        proc = self.workers.pop(name)
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for c in children:
-            try:
-                c.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(children, timeout=10)
+        stop_processes([self.workers.pop(name)], timeout)
 
     def stop(self) -> None:
         for name in list(self.workers):
