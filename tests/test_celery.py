@@ -1,7 +1,9 @@
 """Scale-out on a real CeleryExecutor: scheduler, dag-processor, triggerer and api-server (metadata
 on PostgreSQL, which is also Celery's result backend), a throw-away Redis as the broker (Debian's
 ``redis-server``), and two Celery workers, each an ``airflow celery worker`` process of its own
-with its own hostname and a concurrency of 2. Each job's pool has 2 slots here.
+with its own hostname and one task slot (concurrency 1). Each job's pool has 2 slots here, so
+two ranges at once are two ranges on two workers: with more slots per worker, Celery may hand
+both to one of them.
 
 Proved on the databases, not on counters:
 
@@ -49,7 +51,7 @@ if REDIS_SERVER is None:
 
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 SLOTS = 2  # each job's pool, for this module
-CONCURRENCY = 2  # each worker's
+CONCURRENCY = 1  # each worker's
 HEARTBEAT_TIMEOUT = 20  # s: a lost worker's task attempt is failed after this
 RUN_TIMEOUT = 300
 
@@ -212,12 +214,35 @@ def assert_news_exact(db: helpers.NewsDB, sweep: int, drift: dict[str, int]) -> 
 
 
 def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
+    """Range 0's batch holding a drifted post waits at a trigger until another range runs, so
+    that two ranges are in flight at once whatever the timing (the ranges of this small sweep
+    take well under a second each)."""
     nodes = two_workers(stack)
     db = stack.news
     label_test_connection(db)
     ids, drift = news_posts(db, 4000, seed=1)
+    helpers.install_gate(db, "news.posts", next(p for p in ids[500:] if p in drift))
+    gate = psycopg.connect(db.dsn, autocommit=True, application_name="pin-test")
+    gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
     with JobConnections(db.dsn) as jc:
-        run_id = stack.trigger(NEWS, {"scope": "FullSweep", "max_ranges": 4, "batch_size": 40})
+        try:
+            run_id = stack.trigger(NEWS, {"scope": "FullSweep", "max_ranges": 4, "batch_size": 40})
+            helpers.wait_for(
+                lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
+            )
+            helpers.wait_for(
+                lambda: any(
+                    t["state"] == "running" and t["map_index"] > 0
+                    for t in mapped_tis(stack, NEWS, run_id, "reconcile_range")
+                ),
+                timeout=60,
+                poll=0.2,
+                what="a second range running",
+            )
+        finally:
+            gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
+            gate.close()
+            helpers.remove_gate(db, "news.posts")
         assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT) == "success"
     tis = mapped_tis(stack, NEWS, run_id, "reconcile_range")
     assert [t["state"] for t in tis] == ["success"] * 4
@@ -226,6 +251,7 @@ def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
     print(f"\nranges by worker: {by_worker}; overlapping ranges: {overlapping_pairs(tis)}")
     assert set(by_worker.values()) == set(nodes), "the ranges did not run on both workers"
     assert overlapping_pairs(tis), "no two ranges ran at the same time"
+    assert all(by_worker[a] != by_worker[b] for a, b in overlapping_pairs(tis))
     sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
     assert db.rows_per_range(sweep) == [1000] * 4  # each post read once
     assert_news_exact(db, sweep, drift)
