@@ -219,16 +219,18 @@ def run_state_badge(page, run_id: str):
     )
 
 
-def grid_cell(page, run_id: str, task: str):
-    """The grid's cell of ``task`` in the run's column (a mapped task: its mapped list)."""
-    return page.locator(
+def click_grid_cell(page, run_id: str, task: str) -> None:
+    """Click the grid's cell of ``task`` in the run's column (a mapped task: its mapped list).
+    The pointer first leaves the grid: the tooltip of the cell it rests on can cover others."""
+    page.mouse.move(0, 0)
+    page.locator(
         f'a[href$="/runs/{run_id}/tasks/{task}"], a[href$="/runs/{run_id}/tasks/{task}/mapped"]'
-    )
+    ).first.click()
 
 
 def open_mapped_list(page, run_id: str, task: str, count: int) -> None:
     """From the run page's grid, the list of the mapped task's instances in the run."""
-    grid_cell(page, run_id, task).first.click()
+    click_grid_cell(page, run_id, task)
     expect(page).to_have_url(re.compile(rf"/tasks/{task}/mapped$"))
     expect(page.get_by_role("heading", name=f"{count} Task Instances")).to_be_visible()
 
@@ -404,7 +406,7 @@ def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(
     # the summary, as summarize returned it, in its XCom view
     result = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
     assert result["status"] == "success" and result["drift_corrected"] == 60
-    grid_cell(page, run_id, "summarize").first.click()
+    click_grid_cell(page, run_id, "summarize")
     page.get_by_role("link", name="Storage").click()
     page.get_by_role("link", name="XCom").click()
     expect(page).to_have_url(re.compile(r"/tasks/summarize/xcom$"))
