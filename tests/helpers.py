@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psycopg
+import pytest
 
 from tools.datagen import uuid7
 
@@ -334,3 +335,9 @@ def stack_databases(name: str) -> tuple[str, str, str, dict[str, str]]:
         "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
     }
     return news_dsn, catalog_dsn, metadata_dsn, conns
+
+
+def skip_module(reason: str) -> None:
+    """Skip the calling test module, printing why (a tool it needs is missing)."""
+    print(f"\n[skip] {reason}")
+    pytest.skip(reason, allow_module_level=True)

@@ -29,22 +29,16 @@ from tests.conftest import SUFFIX
 from tools import devenv
 from tools.stack import Stack, free_port, stack_env
 
-
-def _skip(reason: str) -> None:
-    print(f"\n[skip] {reason}")
-    pytest.skip(reason, allow_module_level=True)
-
-
 try:
     from playwright.sync_api import expect, sync_playwright
 except ImportError:
-    _skip(
+    helpers.skip_module(
         "Playwright for Python is not installed (make setup installs it from requirements-dev.txt)"
     )
 
 CHROMIUM = shutil.which("chromium")
 if CHROMIUM is None:
-    _skip(
+    helpers.skip_module(
         "chromium is not installed: the browser test drives Debian's package (apt-get install "
         "chromium; .ci/run installs it when CI=true)"
     )

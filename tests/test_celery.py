@@ -36,15 +36,9 @@ from tools import devenv
 from tools.datagen import copy_rows
 from tools.stack import CeleryStack, Redis, celery_settings, free_port, stack_env
 
-
-def _skip(reason: str) -> None:
-    print(f"\n[skip] {reason}")
-    pytest.skip(reason, allow_module_level=True)
-
-
 REDIS_SERVER = shutil.which("redis-server")
 if REDIS_SERVER is None:
-    _skip(
+    helpers.skip_module(
         "redis-server is not installed: the Celery test starts Debian's package as its broker "
         "(apt-get install redis-server; .ci/run installs it when CI=true)"
     )
