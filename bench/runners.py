@@ -198,14 +198,17 @@ UPDATE news.posts p
 CATALOG_FLOOR = (
     """
 INSERT INTO catalog.popularity_daily_views
-       (card_kind, card_id, run_date, cumulative_views, created_at)
-SELECT 'PropertyObject', id, %(as_of)s::date, popularity_views, clock_timestamp()
-  FROM catalog.property_object_cards
- WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0
-UNION ALL
-SELECT 'Project', id, %(as_of)s::date, popularity_views, clock_timestamp()
-  FROM catalog.project_cards
- WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0
+       (id, card_kind, card_id, run_date, cumulative_views, created_at)
+SELECT encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) PLACING substring(
+           int8send((extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
+           FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid, *
+  FROM (SELECT 'PropertyObject', id, %(as_of)s::date, popularity_views, clock_timestamp()
+          FROM catalog.property_object_cards
+         WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0
+        UNION ALL
+        SELECT 'Project', id, %(as_of)s::date, popularity_views, clock_timestamp()
+          FROM catalog.project_cards
+         WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0) s
 ON CONFLICT (card_kind, card_id, run_date) DO UPDATE
    SET cumulative_views = excluded.cumulative_views, created_at = excluded.created_at
 """,

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import threading
+import uuid
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
@@ -99,6 +100,28 @@ def test_rerun_of_a_date_is_idempotent(catalog_db):
     assert catalog_db.snapshots(cid) == [(D - timedelta(days=1), 100), (D, 130)]
     assert s1["property_object_cards_updated"] == 1 and s2["property_object_cards_updated"] == 0
     assert s2["snapshots_written"] == 1  # upserted, not duplicated
+
+
+def test_snapshot_ids_are_time_ordered_and_kept_by_a_rerun(catalog_db):
+    for _ in range(3):
+        catalog_db.card(views=10)
+    t0 = datetime.now(UTC)
+    assert_ok(run(as_of=D - timedelta(days=1)))
+    assert_ok(run())
+    t1 = datetime.now(UTC)
+    rows = catalog_db.q(
+        "SELECT run_date, id::text FROM catalog.popularity_daily_views ORDER BY run_date, id"
+    )
+    ids = [uuid.UUID(i) for _, i in rows]
+    assert len(ids) == 6 and {u.version for u in ids} == {7}
+    # uuid v7: the first 48 bits are the unix milliseconds of the write
+    assert all(int(t0.timestamp() * 1000) <= u.int >> 80 <= t1.timestamp() * 1000 for u in ids)
+    assert max(ids[:3]) < min(ids[3:])  # a later night sorts after an earlier one
+    before = catalog_db.q("SELECT id, card_id, run_date FROM catalog.popularity_daily_views")
+    assert_ok(run())
+    assert sorted(
+        catalog_db.q("SELECT id, card_id, run_date FROM catalog.popularity_daily_views")
+    ) == sorted(before)
 
 
 def test_a_card_without_new_views_decays_to_zero_past_the_window(catalog_db):
