@@ -467,7 +467,13 @@ def test_clearing_one_failed_range_from_the_ui_resumes_it(page, stack, shots):
         "validate_options",
         "plan_ranges",
     }, affected
-    dialog.get_by_role("button", name="Confirm").click()
+    # the dialog closes before the UI's request returns: wait for the request itself, or the
+    # navigation below may cancel it
+    with page.expect_response(
+        lambda r: r.request.method == "POST" and r.url.endswith(f"/dags/{NEWS}/clearTaskInstances")
+    ) as cleared:
+        dialog.get_by_role("button", name="Confirm").click()
+    assert cleared.value.ok, cleared.value.status
     expect(dialog).to_be_hidden()
 
     page.goto(run_url(NEWS, run_id))
