@@ -101,22 +101,35 @@ def busy_between(a: tuple[int, int], b: tuple[int, int]) -> float | None:
     return None if dt <= 0 else (b[0] - a[0]) / dt
 
 
+def io_stalled() -> float | None:
+    """Share of the last 10 s in which every task waited on I/O (``/proc/pressure/io``)."""
+    try:
+        full = Path("/proc/pressure/io").read_text().splitlines()[1]
+    except (OSError, IndexError):
+        return None
+    return float(full.split()[1].split("=")[1]) / 100
+
+
 def wait_quiet(threshold: float = 0.2, window: float = 1.0, max_wait: float = 60.0) -> dict:
     """Wait until the machine is quiet (other processes use < threshold of all CPUs over a
-    window), at most max_wait seconds: the machine may be shared (tests running next door)."""
+    window, and the disk has caught up: tasks stalled on I/O < 2 % of the last 10 s), at most
+    max_wait seconds: the machine may be shared, and a run's checkpoint and the kernel's
+    write-back of its pages go on after it."""
     import time
 
     t0 = time.monotonic()
     while True:
         a = cpu_sample()
         time.sleep(window)
-        busy = busy_between(a, cpu_sample())
+        busy, io = busy_between(a, cpu_sample()), io_stalled()
         waited = time.monotonic() - t0
-        if busy is None or busy < threshold or waited >= max_wait:
+        quiet = (busy is None or busy < threshold) and (io is None or io < 0.02)
+        if quiet or waited >= max_wait:
             return {
                 "waited_s": round(waited, 1),
                 "busy_before": None if busy is None else round(busy, 3),
-                "quiet": busy is None or busy < threshold,
+                "io_stalled_before": io,
+                "quiet": quiet,
             }
 
 

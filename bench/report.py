@@ -188,10 +188,16 @@ def hotpath(res: dict) -> list[str]:
     hp = res.get("hotpath")
     if not hp:
         return []
+    sep = hp.get("separate_run")
     out = [
         f"Hot path at {hp['rate']:g} tx/s of each kind (news: a comment created or hidden with "
         "its counter update; catalog: a view increment), latency from each transaction's "
-        "scheduled start; *lock* = the longest counter UPDATE / view increment.",
+        "scheduled start; *lock* = the longest counter UPDATE / view increment"
+        + (
+            f"; measured in a separate run, {sep['started_at'][:16]} UTC, `{sep['command']}`."
+            if sep
+            else "."
+        ),
         "",
         "| phase | job s (median) | job batch tx p99 ms | news tx | news p50 / p99 / max ms "
         "| news lock max ms | catalog tx | catalog p50 / p99 / max ms | catalog lock max ms "

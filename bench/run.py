@@ -164,6 +164,7 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
         data.reset_news(dsns["news"], hotpath_since=hp.started)
         data.restore_views(dsns["catalog"])
 
+    gates = [wait_quiet(max_wait=QUIET_WAIT[0])]
     with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
         t0 = time.time()
         time.sleep(IDLE_S)
@@ -177,6 +178,7 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
                 data.reset_news(dsns["news"])
             else:
                 data.reset_catalog(dsns["catalog"])
+            gates.append(wait_quiet(max_wait=QUIET_WAIT[0]))
             with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
                 t0 = time.time()
                 r = fn()
@@ -186,7 +188,7 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
             cleanup(hp)
             log.info("hot path during %s rep %d: %.1f s", item, rep + 1, r["seconds"])
     data.reset_catalog(dsns["catalog"], views=True)
-    out = {"rate": args.rate, "idle_s": IDLE_S, "latency": {}, "runs": runs}
+    out = {"rate": args.rate, "idle_s": IDLE_S, "latency": {}, "runs": runs, "gates": gates}
     for item, ws in windows.items():
         out["latency"][item] = {
             kind: runners.latency(
