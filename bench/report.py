@@ -219,33 +219,6 @@ def hotpath(res: dict) -> list[str]:
     return out
 
 
-def partitioned(res: dict) -> list[str]:
-    part = res.get("catalog", {}).get("partitioned")
-    if not part:
-        return []
-    rows = [
-        ("popularity run, 1 range, plain table", part["plain_job_1"]),
-        ("popularity run, 1 range, partitioned table", part["job_1"]),
-        ("retention: DELETE of one night (above)", items(res, "catalog").get("retention")),
-        ("retention: DROP of one night's partition", part["drop_partition"]),
-    ]
-    out = [
-        "Snapshot table range-partitioned by `run_date`, one partition per day "
-        "(`python -m bench.partition`, a copy of the database, one run each; the job's code and "
-        f"SQL unchanged; same result as on the plain table: {part['same_result']}):",
-        "",
-        "| measurement | s | WAL MB | full-page images | pages written |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, runs in rows:
-        if runs:
-            out.append(
-                f"| {name} | {f(med(runs))} | {f(fp(runs, 'wal_bytes') / 1e6)} | "
-                f"{f(fp(runs, 'wal_fpi'))} | {f(fp(runs, 'pages_written'))} |"
-            )
-    return out
-
-
 def statements(res: dict, job: str, key: str) -> list[str]:
     runs = items(res, job).get(key)
     if not runs or not runs[0].get("statements"):
@@ -298,8 +271,6 @@ def render(all_res: list[dict]) -> str:
         ]
         if res.get("hotpath"):
             out += ["### Hot path", "", *hotpath(res), ""]
-        if res.get("catalog", {}).get("partitioned"):
-            out += ["### Partitioned snapshot table", "", *partitioned(res), ""]
         out += ["### Per statement", ""]
         for job, key in (("news", "full_1"), ("news", "window_1"), ("catalog", "job_1")):
             out += [*statements(res, job, key), ""]
