@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -58,31 +57,24 @@ def pct(values: list[float], p: float) -> float | None:
 def machine_facts(dsn: str) -> dict:
     import psycopg
 
-    cpu = [
-        ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")
-    ]
-    facts = {
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = [ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")]
+    with psycopg.connect(dsn) as conn:
+        pg = [conn.execute(f"SHOW {n}").fetchone()[0] for n in ("server_version", "shared_buffers")]
+    return {
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu[0].split(":", 1)[1].strip() if cpu else None,
+        "cpu_model": cpu[0] if cpu else None,
         "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
+        "postgresql": pg[0],
+        "pg_shared_buffers": pg[1],
     }
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        facts["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
-        for name in ("shared_buffers", "max_wal_size", "checkpoint_timeout", "work_mem"):
-            facts[f"pg_{name}"] = conn.execute(f"SHOW {name}").fetchone()[0]
-    return facts
 
 
 def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def dump_json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str))
 
 
@@ -137,16 +129,11 @@ def code_version() -> dict:
     """The commit the job code was measured at, and which of its files differ from it."""
     import subprocess
 
-    def git(*a):
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=REPO, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except Exception:  # noqa: BLE001
-            return None
+    def git(*a) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
 
-    dirty = git("status", "--porcelain", "--", "plugins", "include", "dags")
+    dirty = git("status", "--porcelain", "--", "plugins", "include", "dags").splitlines()
     return {
-        "head": git("rev-parse", "--short", "HEAD"),
-        "modified": [ln[3:] for ln in (dirty or "").splitlines()],
+        "head": git("rev-parse", "--short", "HEAD").strip(),
+        "modified": [ln[3:] for ln in dirty],
     }

@@ -5,6 +5,7 @@ back between measurements from pristine copies in schema ``bench`` (see bench/RE
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -21,10 +22,10 @@ PIN_VACUUM = "VACUUM ANALYZE pin_nightly.sweep, pin_nightly.sweep_range, pin_nig
 CARDS = (("PropertyObject", "catalog.property_object_cards"), ("Project", "catalog.project_cards"))
 
 
-def _conn(dsn: str):
+def _conn(dsn: str, **kw):
     import psycopg
 
-    return psycopg.connect(dsn, autocommit=True)
+    return psycopg.connect(dsn, autocommit=True, **kw)
 
 
 def _meta(dsn: str) -> dict | None:
@@ -38,16 +39,14 @@ def _meta(dsn: str) -> dict | None:
 
 
 def _write_meta(c, meta: dict) -> None:
-    import json
-
     from psycopg.types.json import Jsonb
 
     c.execute("CREATE TABLE IF NOT EXISTS bench.meta (k text PRIMARY KEY, v jsonb)")
-    for k, v in json.loads(json.dumps(meta, default=str)).items():
-        c.execute(
-            "INSERT INTO bench.meta VALUES (%s, %s) ON CONFLICT (k) DO UPDATE SET v = excluded.v",
-            (k, Jsonb(v)),
-        )
+    c.execute(
+        "INSERT INTO bench.meta SELECT * FROM jsonb_each(%s) "
+        "ON CONFLICT (k) DO UPDATE SET v = excluded.v",
+        (Jsonb(meta, dumps=lambda o: json.dumps(o, default=str)),),
+    )
 
 
 def _ensure(name: str, scale: float, regenerate: bool, make) -> dict:
@@ -243,22 +242,19 @@ def news_checksum(dsn: str, full: bool = False) -> dict:
 
 
 def catalog_checksum(dsn: str) -> dict:
-    with _conn(dsn) as c:
-        row = c.execute(
+    """What the popularity job writes, summarized: scores and the night's snapshots."""
+    from psycopg.rows import dict_row
+
+    with _conn(dsn, row_factory=dict_row) as c:
+        return c.execute(
             """
-            SELECT (SELECT sum(popularity_score) FROM catalog.property_object_cards),
-                   (SELECT sum(popularity_score) FROM catalog.project_cards),
+            SELECT (SELECT sum(popularity_score) FROM catalog.property_object_cards)::text
+                       AS po_score_sum,
+                   (SELECT sum(popularity_score) FROM catalog.project_cards)::text
+                       AS project_score_sum,
                    (SELECT sum(hashtextextended(id::text || ':' || popularity_score, 0))
-                           %% 1000000007 FROM catalog.property_object_cards),
-                   (SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date = %s),
-                   (SELECT sum(cumulative_views) FROM catalog.popularity_daily_views
-                     WHERE run_date = %s)""",
-            (AS_OF, AS_OF),
+                           %% 1000000007 FROM catalog.property_object_cards)::bigint AS po_hash,
+                   count(*) AS snapshots, coalesce(sum(cumulative_views), 0)::bigint AS views
+              FROM catalog.popularity_daily_views WHERE run_date = %s""",
+            (AS_OF,),
         ).fetchone()
-    return {
-        "po_score_sum": str(row[0]),
-        "project_score_sum": str(row[1]),
-        "po_hash": int(row[2]),
-        "snapshots": int(row[3]),
-        "views": int(row[4] or 0),
-    }

@@ -68,18 +68,11 @@ def _same(job: str, item: str, check: dict, refs: dict, key: str) -> None:
 
 
 def _log(job: str, item: str, rep: int, r: dict) -> None:
-    fp = r.get("footprint", {})
+    fp, p99 = r.get("footprint", {}), pct(r.get("batch_ms") or [0], 99)
     log.info(
-        "%s %-9s rep %d: %7.2f s rows=%s changed=%s batch p99=%.1f ms WAL=%.1f MB pages=%s",
-        job,
-        item,
-        rep + 1,
-        r["seconds"],
-        r["rows"],
-        r["changed"],
-        pct(r.get("batch_ms") or [0], 99),
-        fp.get("wal_bytes", 0) / 1e6,
-        fp.get("pages_written"),
+        f"{job} {item:<9} rep {rep + 1}: {r['seconds']:7.2f} s rows={r['rows']} "
+        f"changed={r['changed']} batch p99={p99:.1f} ms "
+        f"WAL={fp.get('wal_bytes', 0) / 1e6:.1f} MB pages={fp.get('pages_written')}"
     )
 
 
@@ -169,7 +162,7 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
         t0 = time.time()
         time.sleep(IDLE_S)
         t1 = time.time()
-    windows["idle"].append((hp.records, t0, t1))
+    windows["idle"].append((hp.records, t0, t1, hp.lock_waits))
     cleanup(hp)
     for rep in range(args.reps):
         for item, (job, fn) in jobs.items():
@@ -183,7 +176,7 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
                 t0 = time.time()
                 r = fn()
                 t1 = time.time()
-            windows[item].append((hp.records, t0, t1))
+            windows[item].append((hp.records, t0, t1, hp.lock_waits))
             runs[item].append({k: r[k] for k in ("seconds", "rows", "changed", "batch_ms")})
             cleanup(hp)
             log.info("hot path during %s rep %d: %.1f s", item, rep + 1, r["seconds"])
@@ -192,7 +185,10 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
     for item, ws in windows.items():
         out["latency"][item] = {
             kind: runners.latency(
-                [rec for recs, a, b in ws for rec in recs[kind] if a <= rec[0] <= b], 0, 1e12
+                [rec for recs, a, b, _ in ws for rec in recs[kind] if a <= rec[0] <= b],
+                0,
+                1e12,
+                [ms for *_, waits in ws for ms in waits[kind]],
             )
             for kind in ("news", "catalog")
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import time
@@ -339,13 +340,26 @@ class Footprint:
 
 class HotPath:
     """``tools.hotpath --rate`` in a process of its own: news comment writes with the counter
-    update and catalog view increments, ``rate`` transactions per second each."""
+    update and catalog view increments, ``rate`` transactions per second each. ``lock_waits``:
+    per kind, the row-lock waits longer than 5 ms (ms) of its connections, from the server's
+    log (read through SQL: the embedded server writes it to ``log`` in its data directory)."""
+
+    WAIT = re.compile(r"\[\d+\] LOG:  process (\d+) acquired \S+ on .+ after ([\d.]+) ms")
 
     def __init__(self, news_dsn: str, catalog_dsn: str, rate: float) -> None:
+        import psycopg
+
         self.args = ["tools.hotpath", "--dsn", news_dsn, "--catalog-dsn", catalog_dsn]
         self.args += ["--rate", str(rate)]
+        self.conn = psycopg.connect(news_dsn, autocommit=True)
+        path = self.conn.execute("SELECT coalesce(pg_current_logfile('stderr'), 'log')")
+        self.log = path.fetchone()[0]
+
+    def _log_size(self) -> int:
+        return self.conn.execute("SELECT (pg_stat_file(%s)).size", (self.log,)).fetchone()[0]
 
     def __enter__(self) -> HotPath:
+        self.log_start = self._log_size()
         self.proc = _spawn(self.args, "hotpath.log")
         self.started = time.time()
         time.sleep(2.0)  # connected and at its rate
@@ -356,11 +370,20 @@ class HotPath:
         self.stopped = time.time()
         out, _ = self.proc.communicate(timeout=120)
         self.records = json.loads(out.strip().splitlines()[-1])
+        pids = self.records.pop("pids")
+        text = self.conn.execute(
+            "SELECT pg_read_binary_file(%s, %s, %s)",
+            (self.log, self.log_start, self._log_size() - self.log_start),
+        ).fetchone()[0]
+        waits = [(int(p), float(ms)) for p, ms in self.WAIT.findall(text.decode(errors="replace"))]
+        self.lock_waits = {k: [ms for p, ms in waits if p in set(v)] for k, v in pids.items()}
+        self.conn.close()
 
 
-def latency(records: list, t0: float, t1: float) -> dict:
+def latency(records: list, t0: float, t1: float, lock_waits: list) -> dict:
     """Transactions scheduled in [t0, t1]: count, failures, latency p50 / p99 / max (ms, from
-    the scheduled start) and the longest row-lock statement (ms)."""
+    the scheduled start), the longest row-lock statement and the longest row-lock wait the
+    server logged (ms; 0 if none was longer than 5 ms)."""
     from bench.common import pct
 
     sel = [r for r in records if t0 <= r[0] <= t1]
@@ -371,5 +394,6 @@ def latency(records: list, t0: float, t1: float) -> dict:
         "p50": pct(ok, 50),
         "p99": pct(ok, 99),
         "max": max(ok, default=None),
-        "lock_max": max((r[2] for r in sel), default=None),
+        "statement_max": max((r[2] for r in sel), default=None),
+        "lock_max": max(lock_waits, default=0.0),
     }

@@ -72,26 +72,21 @@ class Proxy:
     def cursor(self, *a, **kw):
         return Proxy(self._t.cursor(*a, **kw), self._p)
 
-    def execute(self, query, params=None, **kw):
+    def _timed(self, label: str, fn, *a, **kw):
         t = time.perf_counter()
         try:
-            return self._t.execute(query, params, **kw)
+            return fn(*a, **kw)
         finally:
-            self._p.add(self._p.label(query), t, time.perf_counter())
+            self._p.add(label, t, time.perf_counter())
+
+    def execute(self, query, params=None, **kw):
+        return self._timed(self._p.label(query), self._t.execute, query, params, **kw)
 
     def commit(self):
-        t = time.perf_counter()
-        try:
-            return self._t.commit()
-        finally:
-            self._p.add("COMMIT", t, time.perf_counter())
+        return self._timed("COMMIT", self._t.commit)
 
     def rollback(self):
-        t = time.perf_counter()
-        try:
-            return self._t.rollback()
-        finally:
-            self._p.add("ROLLBACK", t, time.perf_counter())
+        return self._timed("ROLLBACK", self._t.rollback)
 
     def __getattr__(self, name):
         return getattr(self._t, name)

@@ -361,25 +361,32 @@ def fixed_rate(
     """Run ``rate`` transactions per second of each kind in ``dsns`` ("news", "catalog") until
     ``stop`` is set; half of them on the 200 newest rows. Returns, per kind, (scheduled start
     as time.time(), latency ms from the scheduled start, row-lock statement ms) of each
-    transaction; a failure has latency -1."""
+    transaction; a failure has latency -1. Under "pids", the backend pids of each kind: their
+    row-lock waits longer than 5 ms are in the server log (``log_lock_waits``; superuser)."""
     out: dict[str, list] = {k: [] for k in dsns}
+    pids: dict[str, list] = {k: [] for k in dsns}
     workers = []
     for kind, dsn in dsns.items():
         sample, hot = _pick_ids(dsn, kind)
         for i in range(threads):
             args = (kind, dsn, sample, hot, rate / threads, i / rate, stop, out[kind], seed + i)
+            args += (pids[kind],)
             workers.append(threading.Thread(target=_paced, args=args, daemon=True))
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    return {k: sorted(v) for k, v in out.items()}
+    return {**{k: sorted(v) for k, v in out.items()}, "pids": pids}
 
 
-def _paced(kind, dsn, sample, hot, rate, offset, stop, out, seed) -> None:
+def _paced(kind, dsn, sample, hot, rate, offset, stop, out, seed, pids) -> None:
     rnd = random.Random(seed)
     mine: list = []  # comments this thread created and has not removed yet
-    conn = psycopg.connect(dsn, autocommit=kind == "catalog")
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("SET log_lock_waits = on")
+    conn.execute("SET deadlock_timeout = '5ms'")
+    conn.autocommit = kind == "catalog"
+    pids.append(conn.info.backend_pid)
     due = time.time() + 0.5 + offset
     while not stop.is_set():
         if (pause := due - time.time()) > 0:
