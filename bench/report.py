@@ -210,7 +210,7 @@ def hotpath(res: dict) -> list[str]:
         runs = hp["runs"].get(item, [])
         n, c = lat["news"], lat["catalog"]
         bm = [ms for r in runs for ms in r["batch_ms"]]
-        phase = item if runs else "idle ({} s)".format(hp["idle_s"])
+        phase = item if runs else f"{item.replace('_', ' ')} ({hp['idle_s']} s)"
         out.append(
             f"| {phase} | {f(med(runs)) if runs else '-'} | "
             f"{f(pct(bm, 99), 1)} | {n['n']} | {f(n['p50'], 1)} / {f(n['p99'], 1)} / "

@@ -3,8 +3,9 @@
 On one data set per scale, reset between measurements, the measurements interleaved per
 repetition: the set-based floor, the job code with one and two ranges, a FullSweep that finds no
 drift, the DailyWindow, retention; each with its write footprint. Then the hot-path load at a
-fixed rate: idle, and during a FullSweep, a DailyWindow and a popularity run. Results go to
-``bench/out/results_s<scale>.json``; ``bench/RESULTS.md`` is rendered from every results file.
+fixed rate: idle, with one core busy, and during a FullSweep, a DailyWindow and a popularity
+run. Results go to ``bench/out/results_s<scale>.json``; ``bench/RESULTS.md`` is rendered from
+every results file.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -144,26 +146,34 @@ def bench_retention(dsn: str) -> list[dict]:
 
 
 def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
-    """The hot-path load idle and during one-range runs (one pool slot, the default)."""
+    """The hot-path load idle, with one core taken by a busy loop that touches no database (the
+    CPU a job's worker and backend take, without their locks and I/O), and during one-range runs
+    (one pool slot, the default)."""
     jobs = {
         "full_1": ("news", lambda: runners.run_news(pools["news"][1], "FullSweep", 1)),
         "window_1": ("news", lambda: runners.run_news(pools["news"][1], "DailyWindow", 1)),
         "popularity_1": ("catalog", lambda: runners.run_catalog(pools["catalog"][1], 1)),
     }
-    windows: dict[str, list] = {"idle": [], **{k: [] for k in jobs}}
+    windows: dict[str, list] = {"idle": [], "busy_core": [], **{k: [] for k in jobs}}
     runs: dict[str, list] = {k: [] for k in jobs}
 
     def cleanup(hp) -> None:
         data.reset_news(dsns["news"], hotpath_since=hp.started)
         data.restore_views(dsns["catalog"])
 
-    gates = [wait_quiet(max_wait=QUIET_WAIT[0])]
-    with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
-        t0 = time.time()
-        time.sleep(IDLE_S)
-        t1 = time.time()
-    windows["idle"].append((hp.records, t0, t1, hp.lock_waits))
-    cleanup(hp)
+    gates = []
+    for phase in ("idle", "busy_core"):
+        gates.append(wait_quiet(max_wait=QUIET_WAIT[0]))
+        with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
+            busy = [sys.executable, "-c", "while 1: pass"] if phase == "busy_core" else ["true"]
+            loop = subprocess.Popen(busy)
+            t0 = time.time()
+            time.sleep(IDLE_S)
+            t1 = time.time()
+            loop.kill()
+            loop.wait()
+        windows[phase].append((hp.records, t0, t1, hp.lock_waits))
+        cleanup(hp)
     for rep in range(args.reps):
         for item, (job, fn) in jobs.items():
             if job == "news":
