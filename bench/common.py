@@ -102,25 +102,32 @@ def io_stalled() -> float | None:
     return float(full.split()[1].split("=")[1]) / 100
 
 
+def dirty_mb() -> float:
+    """Page cache not yet written to disk (``Dirty`` + ``Writeback`` of /proc/meminfo), MB."""
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    return sum(int(ln.split()[1]) for ln in lines if ln.startswith(("Dirty:", "Writeback:"))) / 1024
+
+
 def wait_quiet(threshold: float = 0.2, window: float = 1.0, max_wait: float = 60.0) -> dict:
     """Wait until the machine is quiet (other processes use < threshold of all CPUs over a
-    window, and the disk has caught up: tasks stalled on I/O < 2 % of the last 10 s), at most
-    max_wait seconds: the machine may be shared, and a run's checkpoint and the kernel's
-    write-back of its pages go on after it."""
+    window, and the disk has caught up: tasks stalled on I/O < 2 % of the last 10 s and less
+    than 64 MB of dirty pages left to write), at most max_wait seconds: the machine may be
+    shared, and a run's checkpoint and the kernel's write-back of its pages go on after it."""
     import time
 
     t0 = time.monotonic()
     while True:
         a = cpu_sample()
         time.sleep(window)
-        busy, io = busy_between(a, cpu_sample()), io_stalled()
+        busy, io, dirty = busy_between(a, cpu_sample()), io_stalled(), dirty_mb()
         waited = time.monotonic() - t0
-        quiet = (busy is None or busy < threshold) and (io is None or io < 0.02)
+        quiet = (busy is None or busy < threshold) and (io is None or io < 0.02) and dirty < 64
         if quiet or waited >= max_wait:
             return {
                 "waited_s": round(waited, 1),
                 "busy_before": None if busy is None else round(busy, 3),
                 "io_stalled_before": io,
+                "dirty_mb_before": round(dirty, 1),
                 "quiet": quiet,
             }
 
