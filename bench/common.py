@@ -27,12 +27,8 @@ def scale_tag(scale: float) -> str:
     return f"{scale:g}".replace(".", "_")
 
 
-def news_db(scale: float) -> str:
-    return f"pin_bench_news_s{scale_tag(scale)}"
-
-
-def catalog_db(scale: float) -> str:
-    return f"pin_bench_catalog_s{scale_tag(scale)}"
+def db_name(job: str, scale: float) -> str:
+    return f"pin_bench_{job}_s{scale_tag(scale)}"
 
 
 def setup_airflow_env() -> None:
@@ -68,10 +64,6 @@ def machine_facts(dsn: str) -> dict:
         "postgresql": pg[0],
         "pg_shared_buffers": pg[1],
     }
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def dump_json(path: Path, data) -> None:
@@ -136,11 +128,9 @@ def code_version() -> dict:
     """The commit the job code was measured at, and which of its files differ from it."""
     import subprocess
 
-    def git(*a) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
+    def git(*a: str) -> list[str]:
+        out = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        return out.stdout.splitlines()
 
-    dirty = git("status", "--porcelain", "--", "plugins", "include", "dags").splitlines()
-    return {
-        "head": git("rev-parse", "--short", "HEAD").strip(),
-        "modified": [ln[3:] for ln in dirty],
-    }
+    dirty = git("status", "--porcelain", "--", "plugins", "include", "dags")
+    return {"head": git("rev-parse", "--short", "HEAD")[0], "modified": [ln[3:] for ln in dirty]}

@@ -10,7 +10,7 @@ import logging
 import time
 from datetime import UTC, datetime, timedelta
 
-from bench.common import AS_OF, NEWS_ANCHOR, SEED, catalog_db, news_db
+from bench.common import AS_OF, NEWS_ANCHOR, SEED, db_name
 
 log = logging.getLogger("bench.data")
 VERSION = 4  # rows identical to the generator of version 4: its data is reused
@@ -59,7 +59,7 @@ def _ensure(name: str, scale: float, regenerate: bool, make) -> dict:
     with _conn(devenv.admin_dsn()) as c:
         exists = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
     meta = None if regenerate or not exists else _meta(dsn)
-    if meta and meta.get("complete") and (meta["scale"], meta["seed"]) == (scale, SEED):
+    if meta and meta.get("complete") and meta["scale"] == scale and meta["seed"] == SEED:
         if meta.get("version") == VERSION:
             log.info("%s present (generated %s): reused", name, meta["generated_at"])
             with _conn(dsn) as c:
@@ -118,7 +118,7 @@ def ensure_news(scale: float, regenerate: bool = False) -> dict:
     def make(dsn):
         return datagen.news(dsn, n, 10 * n, seed=SEED % 1000 / 1000, now=NEWS_ANCHOR, log=log)
 
-    return _ensure(news_db(scale), scale, regenerate, make)
+    return _ensure(db_name("news", scale), scale, regenerate, make)
 
 
 def ensure_catalog(scale: float, regenerate: bool = False) -> dict:
@@ -129,7 +129,7 @@ def ensure_catalog(scale: float, regenerate: bool = False) -> dict:
     def make(dsn):
         return datagen.catalog(dsn, n1, n2, AS_OF, seed=SEED % 1000 / 1000, log=log)
 
-    return _ensure(catalog_db(scale), scale, regenerate, make)
+    return _ensure(db_name("catalog", scale), scale, regenerate, make)
 
 
 def reage_news(dsn: str, max_age: timedelta = timedelta(minutes=20)) -> None:

@@ -40,8 +40,8 @@ def med(runs: list[dict], key: str = "seconds"):
     return statistics.median(vals) if vals else None
 
 
-def fp(runs: list[dict], key: str):
-    return statistics.median([r["footprint"][key] for r in runs])
+def fp(runs: list[dict], key: str, agg=statistics.median):
+    return agg([r["footprint"][key] for r in runs])
 
 
 def f(v, nd: int = 2) -> str:
@@ -59,60 +59,51 @@ def ratio(res: dict, job: str, a: str, b: str):
     return med(ia) / med(ib) if ia and ib else None
 
 
+def met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
 def targets(all_res: list[dict]) -> list[str]:
-    rows = [
+    head = "| target | limit | " + " | ".join(f"scale {r['scale']:g}" for r in all_res) + " |"
+    out = [head, "|---|---|" + "---:|" * len(all_res)]
+
+    def row(name: str, limit: str, cells: list[str]) -> None:
+        out.append(f"| {name} | {limit} | " + " | ".join(cells) + " |")
+
+    for name, limit, job, a, b, lim in (
         ("FullSweep, two ranges", "<= 0.8x floor", "news", "full_2", "floor", 0.8),
         ("FullSweep, one range", "<= 1.5x floor", "news", "full_1", "floor", 1.5),
         ("DailyWindow", "<= 0.5x FullSweep", "news", "window_1", "full_1", 0.5),
         ("popularity run, one range", "<= 0.7x floor", "catalog", "job_1", "floor", 0.7),
-    ]
-    head = "| target | limit | " + " | ".join(f"scale {r['scale']:g}" for r in all_res) + " |"
-    out = [head, "|---|---|" + "---:|" * len(all_res)]
-    for name, limit, job, a, b, lim in rows:
-        cells = []
-        for res in all_res:
-            x = ratio(res, job, a, b)
-            cells.append("-" if x is None else f"{x:.2f}x {'met' if x <= lim else '**not met**'}")
-        out.append(f"| {name} | {limit} | " + " | ".join(cells) + " |")
+    ):
+        xs = [ratio(res, job, a, b) for res in all_res]
+        row(name, limit, ["-" if x is None else f"{x:.2f}x {met(x <= lim)}" for x in xs])
     for job in ("news", "catalog"):
-        cells = []
-        for res in all_res:
-            w = res.get(job, {}).get("worker_kb")
-            cells.append(
-                "-" if not w else f"{max(max(v) for v in w['hwm'].values()) / 1024:.0f} MiB"
-            )
-        out.append(f"| {job} worker peak RSS (VmHWM) | flat | " + " | ".join(cells) + " |")
+        ws = [res.get(job, {}).get("worker_kb") for res in all_res]
+        kb = [w and max(max(v) for v in w["hwm"].values()) for w in ws]
+        row(f"{job} worker peak RSS (VmHWM)", "flat", [f"{f(k / 1024, 0)} MiB" for k in kb])
     for item, kind, job in (
         ("full_1", "news", "FullSweep"),
         ("window_1", "news", "DailyWindow"),
         ("popularity_1", "catalog", "popularity run"),
     ):
-        c1, c2 = [], []
-        for res in all_res:
-            hp = res.get("hotpath")
+        p99s, waits = [], []
+        for hp in (res.get("hotpath") for res in all_res):
             if not hp:
-                c1.append("-")
-                c2.append("-")
+                p99s.append("-")
+                waits.append("-")
                 continue
-            idle, run = hp["latency"]["idle"][kind], hp["latency"][item][kind]
-            x = run["p99"] / idle["p99"]
-            c1.append(
-                f"{x:.2f}x ({f(run['p99'], 1)} vs {f(idle['p99'], 1)} ms) "
-                + ("met" if x <= 1.25 else "**not met**")
+            idle, run = hp["latency"]["idle"][kind]["p99"], hp["latency"][item][kind]
+            x, batch = (
+                run["p99"] / idle,
+                pct([ms for r in hp["runs"][item] for ms in r["batch_ms"]], 99),
             )
-            p99 = pct([ms for r in hp["runs"][item] for ms in r["batch_ms"]], 99)
-            ok = run["lock_max"] <= p99
-            c2.append(
-                f"{f(run['lock_max'], 1)} vs {f(p99, 1)} ms " + ("met" if ok else "**not met**")
+            p99s.append(f"{x:.2f}x ({f(run['p99'], 1)} vs {f(idle, 1)} ms) {met(x <= 1.25)}")
+            waits.append(
+                f"{f(run['lock_max'], 1)} vs {f(batch, 1)} ms {met(run['lock_max'] <= batch)}"
             )
-        out.append(
-            f"| {kind} hot-path p99 during a {job} | <= 1.25x idle p99 | " + " | ".join(c1) + " |"
-        )
-        out.append(
-            f"| longest {kind} row-lock wait during a {job} | <= job's p99 batch tx | "
-            + " | ".join(c2)
-            + " |"
-        )
+        row(f"{kind} hot-path p99 during a {job}", "<= 1.25x idle p99", p99s)
+        row(f"longest {kind} row-lock wait during a {job}", "<= job's p99 batch tx", waits)
     return out
 
 
@@ -173,15 +164,9 @@ def footprint(res: dict) -> list[str]:
             out.append(
                 f"| {job} | {name} | {f(wal / 1e6)} | {f(fp(runs, 'wal_records'))} | "
                 f"{f(fp(runs, 'wal_fpi'))} | {f(pages)} | {f(wal / rows, 1)} | "
-                f"{f(pages / rows * 1000, 2)} | "
-                f"{ckpts(runs)} |"
+                f"{f(pages / rows * 1000, 2)} | {fp(runs, 'checkpoints_during', max)} |"
             )
     return out
-
-
-def ckpts(runs: list[dict]) -> str:
-    n = [r["footprint"].get("checkpoints_during") for r in runs]
-    return "-" if None in n else f"{min(n)}..{max(n)}"
 
 
 def hotpath(res: dict) -> list[str]:
@@ -190,16 +175,10 @@ def hotpath(res: dict) -> list[str]:
         return []
     sep = hp.get("separate_run")
     out = [
-        f"Hot path at {hp['rate']:g} tx/s of each kind (news: a comment created or hidden with "
-        "its counter update; catalog: a view increment), latency from each transaction's "
-        "scheduled start; *lock wait* = its longest row-lock wait, from the server log "
-        "(`log_lock_waits` with `deadlock_timeout` 5 ms on the hot path's connections: 0 = "
-        "none longer than 5 ms)"
-        + (
-            f"; measured in a separate run, {sep['started_at'][:16]} UTC, `{sep['command']}`."
-            if sep
-            else "."
-        ),
+        f"At {hp['rate']:g} tx/s of each kind (bench/README.md), latency from each transaction's "
+        "scheduled start; *lock wait*: its longest row-lock wait from the server log (0: none "
+        "longer than 5 ms)"
+        + (f"; a separate run, {sep['started_at'][:16]} UTC, `{sep['command']}`." if sep else "."),
         "",
         "| phase | job s (median) | job batch tx p99 ms | news tx | news p50 / p99 / max ms "
         "| news lock wait ms | catalog tx | catalog p50 / p99 / max ms | catalog lock wait ms "
@@ -249,8 +228,7 @@ def facts(res: dict) -> list[str]:
         + (f" (modified: {', '.join(res['code']['modified'])})" if res["code"]["modified"] else "")
         + ".",
         f"{fa['cpu_count']} cores ({fa['cpu_model']}), {fa['ram_gib']} GiB; PostgreSQL "
-        f"{fa['postgresql']} (embedded), shared_buffers {fa['pg_shared_buffers']}; load average "
-        f"at start / end {res['loadavg_start']} / {res.get('loadavg_end')}.",
+        f"{fa['postgresql']} (embedded), shared_buffers {fa['pg_shared_buffers']}.",
         f"News: {f(nf['posts'])} posts ({f(nf['archived'])} archived), {f(nf['comments'])} "
         f"comments, {f(nf['drifted'])} drifted counters; {res['news']['meta']['db_size']}. "
         f"Catalog: {f(cf['property_object_cards'] + cf['project_cards'])} cards, "

@@ -24,13 +24,11 @@ from bench import data, runners
 from bench.common import (
     OUT,
     busy_between,
-    catalog_db,
     code_version,
     cpu_sample,
+    db_name,
     dump_json,
-    loadavg,
     machine_facts,
-    news_db,
     pct,
     scale_tag,
     setup_airflow_env,
@@ -38,8 +36,6 @@ from bench.common import (
 )
 
 log = logging.getLogger("bench")
-NEWS_ITEMS = ("floor", "full_1", "full_2", "nodrift_1", "window_1")
-CATALOG_ITEMS = ("floor", "job_1", "job_2")
 # Checkpoints where the bench puts them (a CHECKPOINT before each measured run), not in the
 # middle of a run that writes more than the default max_wal_size of 1 GB.
 SERVER = {"max_wal_size": "32GB", "checkpoint_timeout": "1h"}
@@ -63,12 +59,6 @@ def measure(fn, dsn: str) -> dict:
     return r
 
 
-def _same(job: str, item: str, check: dict, refs: dict, key: str) -> None:
-    if key in refs and refs[key] != check:
-        raise RuntimeError(f"{job} {item} wrote something else: {check} vs {refs[key]}")
-    refs.setdefault(key, check)
-
-
 def _log(job: str, item: str, rep: int, r: dict) -> None:
     fp, p99 = r.get("footprint", {}), pct(r.get("batch_ms") or [0], 99)
     log.info(
@@ -87,50 +77,53 @@ def _warm_up(conn_id: str) -> None:
     metrics.gauge(f"{metrics.NEWS}_drift_alert_threshold", 0)
 
 
-def bench_news(args, dsn: str, pools: dict) -> dict:
-    items: dict[str, list] = {k: [] for k in NEWS_ITEMS}
+def bench_job(args, job: str, dsn: str, pools: dict) -> dict:
+    """The floor and the job's runs, interleaved per repetition, each from reset data; a run
+    that writes something else than the floor (the DailyWindow: than itself) fails."""
+
+    def exact_first() -> None:  # the counters made exact before the run (not measured)
+        runners.floor(dsn, "news")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("VACUUM news.posts")
+
+    plan = {  # item: (preparation, measured run)
+        "news": {
+            "floor": (None, lambda: runners.floor(dsn, job)),
+            "full_1": (None, lambda: runners.run_news(pools[1], "FullSweep", 1)),
+            "full_2": (None, lambda: runners.run_news(pools[2], "FullSweep", 2)),
+            "nodrift_1": (exact_first, lambda: runners.run_news(pools[1], "FullSweep", 1)),
+            "window_1": (None, lambda: runners.run_news(pools[1], "DailyWindow", 1)),
+        },
+        "catalog": {
+            "floor": (None, lambda: runners.floor(dsn, job)),
+            "job_1": (None, lambda: runners.run_catalog(pools[1], 1)),
+            "job_2": (None, lambda: runners.run_catalog(pools[2], 2)),
+        },
+    }[job]
+    items: dict[str, list] = {k: [] for k in plan}
     refs: dict = {}
     for rep in range(args.reps):
-        for item in NEWS_ITEMS:
-            data.reage_news(dsn)
-            data.reset_news(dsn)
-            if item == "floor":
-                r = measure(lambda: runners.floor(dsn, "news"), dsn)
-            elif item == "window_1":
-                r = measure(lambda: runners.run_news(pools[1], "DailyWindow", 1), dsn)
+        for item, (prepare, fn) in plan.items():
+            if job == "news":
+                data.reage_news(dsn)
+                data.reset_news(dsn)
             else:
-                if item == "nodrift_1":  # the counters made exact first (not measured)
-                    runners.floor(dsn, "news")
-                    with psycopg.connect(dsn, autocommit=True) as conn:
-                        conn.execute("VACUUM news.posts")
-                n = 2 if item == "full_2" else 1
-                r = measure(lambda n=n: runners.run_news(pools[n], "FullSweep", n), dsn)
-            full = rep == 0 and item in ("floor", "full_1")
-            check = data.news_checksum(dsn, full=full)
-            if check.pop("drift_left"):
-                raise RuntimeError(f"news {item} left drift")
-            _same("news", item, check, refs, "window" if item == "window_1" else "full")
+                data.reset_catalog(dsn)
+            if prepare:
+                prepare()
+            r = measure(fn, dsn)
+            if job == "news":
+                check = data.news_checksum(dsn, full=rep == 0 and item in ("floor", "full_1"))
+                if check.pop("drift_left"):
+                    raise RuntimeError(f"news {item} left drift")
+            else:
+                check = data.catalog_checksum(dsn)
+            ref = refs.setdefault("window" if item == "window_1" else "all", check)
+            if check != ref:
+                raise RuntimeError(f"{job} {item} wrote something else: {check} vs {ref}")
             r["rep"] = rep
             items[item].append(r)
-            _log("news", item, rep, r)
-    return items
-
-
-def bench_catalog(args, dsn: str, pools: dict) -> dict:
-    items: dict[str, list] = {k: [] for k in CATALOG_ITEMS}
-    refs: dict = {}
-    for rep in range(args.reps):
-        for item in CATALOG_ITEMS:
-            data.reset_catalog(dsn)
-            if item == "floor":
-                r = measure(lambda: runners.floor(dsn, "catalog"), dsn)
-            else:
-                n = int(item[-1])
-                r = measure(lambda n=n: runners.run_catalog(pools[n], n), dsn)
-            _same("catalog", item, data.catalog_checksum(dsn), refs, "job")
-            r["rep"] = rep
-            items[item].append(r)
-            _log("catalog", item, rep, r)
+            _log(job, item, rep, r)
     return items
 
 
@@ -147,58 +140,52 @@ def bench_retention(dsn: str) -> list[dict]:
 
 def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
     """The hot-path load idle, with one core taken by a busy loop that touches no database (the
-    CPU a job's worker and backend take, without their locks and I/O), and during one-range runs
-    (one pool slot, the default)."""
-    jobs = {
+    CPU a job's worker and backend take, without their locks and I/O), both once, and during
+    one-range runs (one pool slot, the default) in each repetition."""
+
+    def busy_core() -> None:
+        loop = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+        time.sleep(IDLE_S)
+        loop.kill()
+        loop.wait()
+
+    phases = {
+        "idle": (None, lambda: time.sleep(IDLE_S)),
+        "busy_core": (None, busy_core),
         "full_1": ("news", lambda: runners.run_news(pools["news"][1], "FullSweep", 1)),
         "window_1": ("news", lambda: runners.run_news(pools["news"][1], "DailyWindow", 1)),
         "popularity_1": ("catalog", lambda: runners.run_catalog(pools["catalog"][1], 1)),
     }
-    windows: dict[str, list] = {"idle": [], "busy_core": [], **{k: [] for k in jobs}}
-    runs: dict[str, list] = {k: [] for k in jobs}
-
-    def cleanup(hp) -> None:
-        data.reset_news(dsns["news"], hotpath_since=hp.started)
-        data.restore_views(dsns["catalog"])
-
+    windows: dict[str, list] = {k: [] for k in phases}
+    runs: dict[str, list] = {k: [] for k, (job, _) in phases.items() if job}
     gates = []
-    for phase in ("idle", "busy_core"):
-        gates.append(wait_quiet(max_wait=QUIET_WAIT[0]))
-        with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
-            busy = [sys.executable, "-c", "while 1: pass"] if phase == "busy_core" else ["true"]
-            loop = subprocess.Popen(busy)
-            t0 = time.time()
-            time.sleep(IDLE_S)
-            t1 = time.time()
-            loop.kill()
-            loop.wait()
-        windows[phase].append((hp.records, t0, t1, hp.lock_waits))
-        cleanup(hp)
     for rep in range(args.reps):
-        for item, (job, fn) in jobs.items():
+        for item, (job, fn) in phases.items():
+            if job is None and rep:
+                continue
             if job == "news":
                 data.reage_news(dsns["news"])
                 data.reset_news(dsns["news"])
-            else:
+            elif job:
                 data.reset_catalog(dsns["catalog"])
             gates.append(wait_quiet(max_wait=QUIET_WAIT[0]))
             with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
                 t0 = time.time()
                 r = fn()
                 t1 = time.time()
-            windows[item].append((hp.records, t0, t1, hp.lock_waits))
-            runs[item].append({k: r[k] for k in ("seconds", "rows", "changed", "batch_ms")})
-            cleanup(hp)
-            log.info("hot path during %s rep %d: %.1f s", item, rep + 1, r["seconds"])
+            recs = {k: [x for x in v if t0 <= x[0] <= t1] for k, v in hp.records.items()}
+            windows[item].append((recs, hp.lock_waits))
+            if job:
+                runs[item].append({k: r[k] for k in ("seconds", "rows", "changed", "batch_ms")})
+                log.info("hot path during %s rep %d: %.1f s", item, rep + 1, r["seconds"])
+            data.reset_news(dsns["news"], hotpath_since=hp.started)
+            data.restore_views(dsns["catalog"])
     data.reset_catalog(dsns["catalog"], views=True)
     out = {"rate": args.rate, "idle_s": IDLE_S, "latency": {}, "runs": runs, "gates": gates}
     for item, ws in windows.items():
         out["latency"][item] = {
             kind: runners.latency(
-                [rec for recs, a, b, _ in ws for rec in recs[kind] if a <= rec[0] <= b],
-                0,
-                1e12,
-                [ms for *_, waits in ws for ms in waits[kind]],
+                [x for recs, _ in ws for x in recs[kind]], [ms for _, w in ws for ms in w[kind]]
             )
             for kind in ("news", "catalog")
         }
@@ -236,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": datetime.now(UTC).isoformat(),
         "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "facts": machine_facts(devenv.admin_dsn()),
-        "loadavg_start": loadavg(),
         "code": code_version(),
     }
     jobs = args.jobs.split(",")
@@ -246,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         conn.execute("SELECT pg_reload_conf()")
     meta = {"news": data.ensure_news(args.scale, args.regenerate)}
     meta["catalog"] = data.ensure_catalog(args.scale, args.regenerate)
-    dsns = {"news": devenv.dsn_for(news_db(args.scale))}
-    dsns["catalog"] = devenv.dsn_for(catalog_db(args.scale))
+    dsns = {job: devenv.dsn_for(db_name(job, args.scale)) for job in ("news", "catalog")}
     tag = scale_tag(args.scale)
     pools = {}
     for job, conn_id in (("news", "news_db"), ("catalog", "catalog_db")):
@@ -257,12 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         results[job] = {"meta": meta[job]}
     path = OUT / f"results_s{tag}.json"
     try:
-        if "news" in jobs:
-            results["news"]["items"] = bench_news(args, dsns["news"], pools["news"])
-            dump_json(path, results)
-        if "catalog" in jobs:
-            results["catalog"]["items"] = bench_catalog(args, dsns["catalog"], pools["catalog"])
-            dump_json(path, results)
+        for job in ("news", "catalog"):
+            if job in jobs:
+                results[job]["items"] = bench_job(args, job, dsns[job], pools[job])
+                dump_json(path, results)
         if "hotpath" in jobs:
             results["hotpath"] = bench_hotpath(args, dsns, pools)
             dump_json(path, results)
@@ -273,7 +256,6 @@ def main(argv: list[str] | None = None) -> int:
             ready = [w.ready["rss_kb"] for p in pools[job].values() for w in p.workers]
             final = {n: [f["hwm_kb"] for f in p.close()] for n, p in pools[job].items()}
             results[job]["worker_kb"] = {"ready": max(ready), "hwm": final}
-    results["loadavg_end"] = loadavg()
     results["total_s"] = round(time.monotonic() - t0, 1)
     dump_json(path, results)
     log.info("results in %s (%.0f s)", path, results["total_s"])

@@ -40,25 +40,23 @@ def _spawn(args: list[str], log_name: str) -> subprocess.Popen:
 
 
 class Worker:
+    """A ``bench.worker`` process: a JSON line in, a JSON line out; an empty line ends it."""
+
     def __init__(self, dsn: str, tag: str) -> None:
         self.proc = _spawn(["bench.worker", dsn], f"workers-{tag}.log")
-        self.ready = self.read()
+        self.ready = self.ask(None)
 
-    def ask(self, obj) -> dict:
-        self.proc.stdin.write(json.dumps(obj, default=str) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
+    def ask(self, line: str | None) -> dict:
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
             raise RuntimeError(f"worker {self.proc.pid} died; see {LOGS}")
-        return json.loads(line)
+        return json.loads(answer)
 
     def close(self) -> dict:
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
-        final = self.read()
+        final = self.ask("")
         self.proc.wait(timeout=60)
         return final
 
@@ -76,7 +74,7 @@ class Pool:
         def one(task: dict) -> dict:
             w = self.free.get()
             try:
-                return w.ask(task)
+                return w.ask(json.dumps(task, default=str))
             finally:
                 self.free.put(w)
 
@@ -285,15 +283,14 @@ def floor(dsn: str, job: str) -> dict:
 
 class Footprint:
     """What a run writes, from the server's own statistics: WAL bytes, records and full-page
-    images (``pg_stat_wal``; the LSN difference is kept as a cross-check), and the 8 kB pages
-    it dirtied, counted as the pages written by backends and the background writer during the
-    run plus those the CHECKPOINT after it writes (``pg_stat_bgwriter``). A CHECKPOINT before
-    the run makes the full-page images comparable (the first change of a page after a
-    checkpoint logs the whole page). The server is otherwise idle; connections flush their
-    statistics before the probe reads."""
+    images (``pg_stat_wal``), and the 8 kB pages it dirtied, counted as the pages written by
+    backends and the background writer during the run plus those the CHECKPOINT after it writes
+    (``pg_stat_bgwriter``). A CHECKPOINT before the run makes the full-page images comparable
+    (the first change of a page after a checkpoint logs the whole page). The server is otherwise
+    idle; connections flush their statistics before the probe reads."""
 
     WAL = (
-        "SELECT pg_current_wal_lsn(), wal_records, wal_fpi, wal_bytes, "
+        "SELECT wal_bytes, wal_records, wal_fpi, "
         "(SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) FROM pg_stat_wal"
     )
     PAGES = "SELECT buffers_checkpoint + buffers_clean + buffers_backend FROM pg_stat_bgwriter"
@@ -321,18 +318,11 @@ class Footprint:
 
     def stop(self) -> dict:
         time.sleep(0.3)  # the job's short-lived hook connections flush their statistics at exit
-        lsn, rec, fpi, wal_bytes, ckpts = self.conn.execute(self.WAL).fetchone()
-        diff = self.conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", (lsn, self.wal0[0]))
+        wal = [int(x - x0) for x, x0 in zip(self.conn.execute(self.WAL).fetchone(), self.wal0)]
         self.checkpoint()
         pages = self.conn.execute(self.PAGES).fetchone()[0] - self.pages0
-        return {
-            "wal_bytes": int(wal_bytes - self.wal0[3]),
-            "wal_lsn_diff": int(diff.fetchone()[0]),
-            "wal_records": rec - self.wal0[1],
-            "wal_fpi": fpi - self.wal0[2],
-            "checkpoints_during": ckpts - self.wal0[4],
-            "pages_written": pages,
-        }
+        keys = ("wal_bytes", "wal_records", "wal_fpi", "checkpoints_during")
+        return {**dict(zip(keys, wal)), "pages_written": pages}
 
     def close(self) -> None:
         self.conn.close()
@@ -367,7 +357,6 @@ class HotPath:
 
     def __exit__(self, *exc) -> None:
         time.sleep(0.5)
-        self.stopped = time.time()
         out, _ = self.proc.communicate(timeout=120)
         self.records = json.loads(out.strip().splitlines()[-1])
         pids = self.records.pop("pids")
@@ -380,20 +369,17 @@ class HotPath:
         self.conn.close()
 
 
-def latency(records: list, t0: float, t1: float, lock_waits: list) -> dict:
-    """Transactions scheduled in [t0, t1]: count, failures, latency p50 / p99 / max (ms, from
-    the scheduled start), the longest row-lock statement and the longest row-lock wait the
-    server logged (ms; 0 if none was longer than 5 ms)."""
+def latency(records: list, lock_waits: list) -> dict:
+    """Count, failures, latency p50 / p99 / max (ms, from the scheduled start) of the
+    transactions, and the longest row-lock wait the server logged (ms; 0 if none > 5 ms)."""
     from bench.common import pct
 
-    sel = [r for r in records if t0 <= r[0] <= t1]
-    ok = [r[1] for r in sel if r[1] >= 0]
+    ok = [r[1] for r in records if r[1] >= 0]
     return {
-        "n": len(sel),
-        "failures": len(sel) - len(ok),
+        "n": len(records),
+        "failures": len(records) - len(ok),
         "p50": pct(ok, 50),
         "p99": pct(ok, 99),
         "max": max(ok, default=None),
-        "statement_max": max((r[2] for r in sel), default=None),
         "lock_max": max(lock_waits, default=0.0),
     }

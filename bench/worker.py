@@ -91,12 +91,6 @@ class Proxy:
     def __getattr__(self, name):
         return getattr(self._t, name)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self._t.__exit__(*exc)
-
 
 def main() -> None:
     out = os.fdopen(os.dup(1), "w")  # the protocol; what libraries print goes to stderr

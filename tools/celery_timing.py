@@ -83,12 +83,12 @@ def main() -> int:
 
     import psycopg
 
-    from bench.common import news_db
+    from bench.common import db_name
     from bench.data import ensure_news
     from tools.datagen import create_catalog_schema
 
     meta = ensure_news(args.scale)
-    news_dsn = devenv.dsn_for(news_db(args.scale))
+    news_dsn = devenv.dsn_for(db_name("news", args.scale))
     catalog_dsn = devenv.recreate_database("pin_celery_timing_catalog")
     create_catalog_schema(catalog_dsn)  # empty: the catalog DAG's scheduled run does nothing
     metadata_dsn = devenv.recreate_database("pin_celery_timing_airflow")
