@@ -35,14 +35,15 @@ airflow: setup
 	$(BIN)/python -m tools.airflow_up
 
 # Benchmarks (not part of the test suite): make bench [SCALE=0.1] [REPS=3]; bench-growth is
-# scale 3 (3M posts / 30M comments, ~915k cards; ~12 GB of data) with one repetition.
+# scale 3 (3M posts / 30M comments, ~915k cards; ~12 GB of data) with one repetition, waiting
+# up to 3 minutes before each measurement for the disk to write back the one before.
 SCALE ?= 1
 REPS ?= 3
 bench: setup
 	$(BIN)/python -m bench.run --scale $(SCALE) --reps $(REPS)
 
 bench-growth: setup
-	$(BIN)/python -m bench.run --scale 3 --reps 1
+	$(BIN)/python -m bench.run --scale 3 --reps 1 --quiet-wait 180
 
 # Re-pin the full dependency set after changing requirements.txt or requirements-dev.txt.
 constraints:

@@ -45,9 +45,7 @@ def fp(runs: list[dict], key: str, agg=statistics.median):
 
 
 def f(v, nd: int = 2) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.{nd}f}" if isinstance(v, float) else f"{v:,}"
+    return "-" if v is None else f"{v:,.{nd}f}" if isinstance(v, float) else f"{v:,}"
 
 
 def items(res: dict, job: str) -> dict:
@@ -81,7 +79,11 @@ def targets(all_res: list[dict]) -> list[str]:
     for job in ("news", "catalog"):
         ws = [res.get(job, {}).get("worker_kb") for res in all_res]
         kb = [w and max(max(v) for v in w["hwm"].values()) for w in ws]
-        row(f"{job} worker peak RSS (VmHWM)", "flat", [f"{f(k / 1024, 0)} MiB" for k in kb])
+        row(
+            f"{job} worker peak RSS (VmHWM)",
+            "flat",
+            [f"{k / 1024:.0f} MiB" if k else "-" for k in kb],
+        )
     for item, kind, job in (
         ("full_1", "news", "FullSweep"),
         ("window_1", "news", "DailyWindow"),
@@ -94,10 +96,8 @@ def targets(all_res: list[dict]) -> list[str]:
                 waits.append("-")
                 continue
             idle, run = hp["latency"]["idle"][kind]["p99"], hp["latency"][item][kind]
-            x, batch = (
-                run["p99"] / idle,
-                pct([ms for r in hp["runs"][item] for ms in r["batch_ms"]], 99),
-            )
+            x = run["p99"] / idle
+            batch = pct([ms for r in hp["runs"][item] for ms in r["batch_ms"]], 99)
             p99s.append(f"{x:.2f}x ({f(run['p99'], 1)} vs {f(idle, 1)} ms) {met(x <= 1.25)}")
             waits.append(
                 f"{f(run['lock_max'], 1)} vs {f(batch, 1)} ms {met(run['lock_max'] <= batch)}"
@@ -207,8 +207,7 @@ def statements(res: dict, job: str, key: str) -> list[str]:
     run = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     out = [
         f"{NAMES[job][key]} (median repetition, {run['seconds']:.2f} s; plan "
-        f"{run['plan_s']:.2f} s; from the driver: `pg_stat_statements` does not ship with the "
-        "embedded server):",
+        f"{run['plan_s']:.2f} s; timed by the driver, see bench/README.md):",
         "",
         "| statement | calls | ms per call | total s | share |",
         "|---|---:|---:|---:|---:|",

@@ -78,8 +78,8 @@ def _warm_up(conn_id: str) -> None:
 
 
 def bench_job(args, job: str, dsn: str, pools: dict) -> dict:
-    """The floor and the job's runs, interleaved per repetition, each from reset data; a run
-    that writes something else than the floor (the DailyWindow: than itself) fails."""
+    """The floor and the job's runs, interleaved per repetition, each from reset data. A run
+    that writes something other than the floor fails (a DailyWindow: than its first run)."""
 
     def exact_first() -> None:  # the counters made exact before the run (not measured)
         runners.floor(dsn, "news")
