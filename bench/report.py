@@ -173,12 +173,10 @@ def hotpath(res: dict) -> list[str]:
     hp = res.get("hotpath")
     if not hp:
         return []
-    sep = hp.get("separate_run")
     out = [
         f"At {hp['rate']:g} tx/s of each kind (bench/README.md), latency from each transaction's "
         "scheduled start; *lock wait*: its longest row-lock wait from the server log (0: none "
-        "longer than 5 ms)"
-        + (f"; a separate run, {sep['started_at'][:16]} UTC, `{sep['command']}`." if sep else "."),
+        "longer than 5 ms).",
         "",
         "| phase | job s (median) | job batch tx p99 ms | news tx | news p50 / p99 / max ms "
         "| news lock wait ms | catalog tx | catalog p50 / p99 / max ms | catalog lock wait ms "
