@@ -133,4 +133,5 @@ def code_version() -> dict:
         return out.stdout.splitlines()
 
     dirty = git("status", "--porcelain", "--", "plugins", "include", "dags")
-    return {"head": git("rev-parse", "--short", "HEAD")[0], "modified": [ln[3:] for ln in dirty]}
+    head = git("rev-parse", "--short", "HEAD") or ["not a git checkout"]
+    return {"head": head[0], "modified": [ln[3:] for ln in dirty]}
