@@ -118,6 +118,10 @@ class NewsDB:
             "WHERE c.post_id = p.id AND c.status = 'Visible')"
         )
 
+    def today(self):
+        """The database's current date in UTC: the as_of_date of a manual run started now."""
+        return self.one("SELECT (now() AT TIME ZONE 'UTC')::date")
+
     def snapshot(self) -> list[tuple]:
         return self.q("SELECT id, status, comments_count, updated_at FROM news.posts ORDER BY id")
 

@@ -355,7 +355,7 @@ def wait_until_none_queued(stack, dag_id: str, run_id: str, task_id: str, map_in
 def test_a_popularity_run_survives_a_killed_worker(stack):
     nodes = two_workers(stack)
     db = stack.catalog
-    today = datetime.now(UTC).date()
+    today = db.today()
     rnd = random.Random(3)
     db.q("TRUNCATE catalog.property_object_cards, catalog.project_cards")
     devenv.run_sql_file(db.dsn, "schema/catalog_popularity.sql")  # the job's table, if absent

@@ -73,6 +73,7 @@ def stack(pg_admin):
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
             # no scheduled run before a test unpauses its DAG
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "True",
         },
     )
     s = Stack(home, env)

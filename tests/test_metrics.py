@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from datetime import date, timedelta
+from datetime import timedelta
 
 SCRIPT = textwrap.dedent("""
     import os, sys
@@ -66,7 +66,7 @@ def statsd_packets(script: str) -> list[str]:
 def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
     news_db.post(count=5, visible=3)
     card = catalog_db.card(views=9)
-    catalog_db.seed_snapshot(card, date.today() - timedelta(days=1), 4)
+    catalog_db.seed_snapshot(card, catalog_db.today() - timedelta(days=1), 4)
     packets = statsd_packets(SCRIPT)
     text = "\n".join(packets)
     for line in (

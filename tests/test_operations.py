@@ -7,7 +7,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from datetime import date, timedelta
+from datetime import timedelta
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -114,11 +114,16 @@ def stack(pg_admin):
 def test_both_dags_run_through_the_scheduler(stack):
     drifted = stack.news.post(count=5, visible=3)
     card = stack.catalog.card(views=40)
-    stack.catalog.seed_snapshot(card, date.today() - timedelta(days=1), 10)
+    stack.catalog.seed_snapshot(card, stack.catalog.today() - timedelta(days=1), 10)
     news_run = stack.trigger(NEWS, {"scope": "FullSweep"})
     catalog_run = stack.trigger(CATALOG)
     assert stack.wait_run(NEWS, news_run) == "success"
     assert stack.wait_run(CATALOG, catalog_run) == "success"
+    # only the runs the test triggered: no run of the latest 03:00 slot (before 03:00 UTC that
+    # is yesterday's, and it would overwrite the snapshot seeded above)
+    for dag_id in (NEWS, CATALOG):
+        runs = stack.get(f"/api/v2/dags/{dag_id}/dagRuns")["dag_runs"]
+        assert {r["run_type"] for r in runs} == {"manual"}, runs
     assert stack.news.count(drifted) == 3
     assert stack.catalog.score(card) == Decimal(30)
     summary = stack.news.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", news_run)

@@ -59,6 +59,7 @@ def main() -> int:
             "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "True",  # unpause a DAG: it runs nightly
             "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
         },
     )

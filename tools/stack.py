@@ -71,6 +71,10 @@ def stack_env(
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://{auth}@{hostpart}/{d['dbname']}{query}",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            # no run from the schedule: a test triggers every run it needs, so that what it
+            # sees does not depend on the time of day it runs (the latest 03:00 slot may be
+            # yesterday's); a stack that needs scheduled runs turns it on
+            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(port),
