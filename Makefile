@@ -6,7 +6,7 @@ DEPS   := requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 STAMP  := $(VENV)/.installed-$(shell cat $(DEPS) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint airflow bench bench-growth constraints clean stop
+.PHONY: setup demo test soak lint airflow bench bench-growth constraints clean stop
 
 # The development venv: runtime and development dependencies pinned by constraints.txt, and
 # the job package (plugins/pin_nightly) installed editable.
@@ -24,6 +24,15 @@ demo: setup
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS
+# operations each, random (a failure is shrunk to a short sequence and printed with a blob that
+# reproduces it). Hours if asked: make soak SOAK_EXAMPLES=2000
+SOAK_EXAMPLES ?= 100
+SOAK_STEPS ?= 20
+soak: setup
+	PIN_MODEL_PROFILE=soak SOAK_EXAMPLES=$(SOAK_EXAMPLES) SOAK_STEPS=$(SOAK_STEPS) \
+		$(BIN)/python -m pytest -p no:randomly tests/test_model.py $(PYTEST_ARGS)
 
 # ruff: lint rules and formatting as configured in pyproject.toml
 lint: setup

@@ -134,7 +134,7 @@ def main() -> None:
                 opts, task["rng"]["sweep_id"], task["run_id"], candidate_mode=task["candidate_mode"]
             )
         else:
-            batch = catalog.make_batch(task["kind"], opts)
+            batch = catalog.make_batch(task["kind"], opts, task["rng"]["sweep_id"], task["run_id"])
         res = keyset.run_range(conn, task["rng"], lease, opts["batch_size"], batch)
         raw.execute("SELECT pg_stat_force_next_flush()")  # WAL statistics, for the footprint
         raw.commit()

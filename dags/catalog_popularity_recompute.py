@@ -24,12 +24,14 @@ projects) snapshot the cumulative counter `popularity_views` into
 previous snapshot up to `window_days + 2` days back. Snapshots older than
 `max(window_days, 30) + 2` days are pruned at the end (a manual run with a small window never
 prunes what the nightly run needs). `as_of_date` is the run's logical date in UTC (manual
-runs: the day they were triggered).
+runs: the day they were triggered); a date after the database's current date is refused.
 
 **Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
 function of the stored snapshots: re-running a date changes nothing (unless the counters moved
-since). A run whose `as_of_date` is older than the newest snapshot writes nothing. Clearing a
-failed `recompute_*` task resumes its range from its cursor.
+since). A run whose `as_of_date` is older than the newest snapshot (or than a newer run's pass)
+writes nothing. Clearing a failed `recompute_*` task resumes its range from its cursor; cleared
+after a newer night ran, it writes nothing and says `superseded by the run ... of <date>`. A
+run with another `window_days` / `half_life_days` works passes of its own, never the nightly's.
 
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
@@ -41,8 +43,9 @@ failed `recompute_*` task resumes its range from its cursor.
   the unfinished pass). `status: success` means both passes completed and nothing is left;
   `scores_as_of_date` is the newest date whose two passes completed.
 - `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
-  numeric(12,4)); the log lists `card_kind` and `card_id` at ERROR. Fix the data; the next
-  run picks them up.
+  numeric(12,4), an update a trigger or constraint rejects: `pin_nightly.item_error`); the log
+  lists `card_kind` and `card_id` at ERROR. Fix the data; the next run picks them up.
+- `nothing written: snapshots dated after today`: delete those rows (README, Runbook).
 - scores stale (`scores_as_of_date` more than 30 h old): no run completed both passes lately.
 
 Targeted recompute: trigger with `{"card_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
@@ -75,7 +78,9 @@ with DAG(
     @task(pool=POOL)
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
-        return catalog.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
+        opts = catalog.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
+        catalog.check_as_of_date(opts)
+        return opts
 
     @setup
     @task(pool=POOL)

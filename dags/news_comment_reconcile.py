@@ -32,10 +32,14 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
 - summary `status: skipped, lock held` (and that line in `acquire_lease`'s log): another run
-  (maybe another deployment) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
+  (maybe another deployment firing the same slot: the holder `<dag>/<run_id> ~<tag>` names
+  the acquisition) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
   nothing and succeeded. The lease expires by its TTL (`pin_nightly.job_lease` shows the holder).
 - a `reconcile_range` failed: read its log, fix the cause (database down, lease lost), then
-  clear that task instance: it resumes from its cursor.
+  clear that task instance: it resumes from its cursor. Cleared after a later run adopted its
+  range, it writes nothing and says `superseded by the run ...` (green).
+- `item_errors` > 0: a post could not be written (a trigger or constraint rejected it); the
+  others were, the range went on. `pin_nightly.item_error` has the post and its error.
 - `drift_corrected` above `drift_alert_threshold`: a bug in the hot-path increment; the job
   treats the symptom. `pin_nightly.news_drift` lists every correction.
 - backlog not draining (`backlog_remaining` night after night, no completed FullSweep for 8

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import random
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -29,25 +31,103 @@ def new_id(at: datetime | None = None) -> str:
     return str(uuid7(at, _rnd))
 
 
+def night(d: date) -> datetime:
+    """The logical date of the scheduled run of day ``d`` at 03:00 UTC (the popularity job's
+    slot; its as_of_date is ``d``)."""
+    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
+
+
+def assert_ok(r: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run (a :func:`tools.rundag.run_dag` outcome) that must have succeeded."""
+    assert r["state"] == "success", r["tasks"]
+    return r["summary"]
+
+
+def failed_tasks(r: dict[str, Any]) -> list:
+    """The failed and upstream-failed task instances of a run outcome, as ``clear_and_resume``
+    takes them (``(task_id, map_index)`` for a mapped one)."""
+    return [
+        (k.split("[")[0], int(k.split("[")[1][:-1])) if "[" in k else k
+        for k, v in r["tasks"].items()
+        if v in ("failed", "upstream_failed")
+    ]
+
+
+class InjectedFault(RuntimeError):
+    """A failure the tests inject into a task (see :func:`inject`)."""
+
+
+def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
+    """Make ``module.function`` fail once; returns a record of whether it fired. ``dag.test()``
+    runs the tasks in this process, so the wrapper is what the task calls: ``before`` raises
+    instead of calling it, ``after`` raises once it has done its work (the task dies between its
+    last write and its return), ``mid_batch`` (``target`` a make_batch, of card kind ``kind``
+    if given) raises inside the second batch's transaction, as a worker lost mid-batch."""
+    module_name, attr = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    real = getattr(module, attr)
+    state = {"fired": False}
+
+    if how == "mid_batch":  # target is a make_batch
+
+        @functools.wraps(real)
+        def make_batch(*args, **kwargs):
+            batch = real(*args, **kwargs)
+            if kind is not None and kind not in args:
+                return batch
+            calls = [0]
+
+            def failing(cur, *a):
+                out = batch(cur, *a)
+                calls[0] += 1
+                if calls[0] == 2 and not state["fired"]:
+                    state["fired"] = True
+                    raise InjectedFault(f"{target}: worker lost in the middle of a batch")
+                return out
+
+            return failing
+
+        monkeypatch.setattr(module, attr, make_batch)
+        return state
+
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        if state["fired"]:
+            return real(*args, **kwargs)
+        state["fired"] = True
+        if how == "before":
+            raise InjectedFault(f"{target}: failed before doing anything")
+        real(*args, **kwargs)
+        raise InjectedFault(f"{target}: failed after its work, before returning")
+
+    monkeypatch.setattr(module, attr, wrapper)
+    return state
+
+
 class NewsDB:
     def __init__(self, dsn: str, conn: psycopg.Connection):
         self.dsn = dsn
         self.conn = conn
 
-    def fail_updates_of(self, post_id: str) -> None:
-        """An infrastructure failure: every UPDATE of this post raises (see allow_updates)."""
+    def fail_updates_of(
+        self, row_id: str, table: str = "news.posts", errcode: str = "disk_full"
+    ) -> None:
+        """Every UPDATE of this row of ``table`` raises: by default an infrastructure failure
+        (SQLSTATE disk_full: the batch and its task fail); with errcode ``raise_exception``, a
+        domain trigger that rejects the row (the job isolates it). See allow_updates."""
+        message = "disk full (simulated)" if errcode == "disk_full" else "rejected (simulated)"
         self.q(
             "CREATE OR REPLACE FUNCTION public.fail_one() RETURNS trigger LANGUAGE plpgsql AS $$ "
-            f"BEGIN IF NEW.id = '{post_id}' THEN RAISE EXCEPTION 'disk full (simulated)'; END IF; "
-            "RETURN NEW; END $$"
+            f"BEGIN IF NEW.id = '{row_id}' THEN RAISE EXCEPTION '{message}' "
+            f"USING ERRCODE = '{errcode}'; END IF; RETURN NEW; END $$"
         )
         self.q(
-            "CREATE TRIGGER fail_one BEFORE UPDATE ON news.posts FOR EACH ROW "
+            f"CREATE TRIGGER fail_one BEFORE UPDATE ON {table} FOR EACH ROW "
             "EXECUTE FUNCTION public.fail_one()"
         )
 
-    def allow_updates(self) -> None:
-        self.q("DROP TRIGGER IF EXISTS fail_one ON news.posts")
+    def allow_updates(self, table: str = "news.posts") -> None:
+        self.q(f"DROP TRIGGER IF EXISTS fail_one ON {table}")
 
     def rows_per_range(self, sweep_id: int) -> list[int]:
         """Rows each range of the sweep processed, in range order (all attempts together)."""

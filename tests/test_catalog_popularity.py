@@ -17,7 +17,7 @@ from tests.helpers import when
 from tools.rundag import run_dag
 
 DAG = "catalog_popularity_recompute"
-D = date(2026, 11, 30)
+D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
 
 
 def night(d: date) -> datetime:
@@ -279,6 +279,7 @@ def _cards_and_sweep(catalog_db, n: int, batch_size: int):
         sweep = keyset.open_sweep(
             conn,
             spec,
+            lease,
             "test/parallel",
             lambda cur, s: keyset.boundaries(
                 cur,
@@ -304,7 +305,11 @@ def test_two_parallel_workers_recompute_each_card_exactly_once(catalog_db):
             with connection("catalog_db") as conn:
                 results.append(
                     keyset.run_range(
-                        conn, rng, lease, 25, catalog.make_batch("PropertyObject", opts)
+                        conn,
+                        rng,
+                        lease,
+                        25,
+                        catalog.make_batch("PropertyObject", opts, rng["sweep_id"], "test"),
                     )
                 )
         except Exception as exc:  # noqa: BLE001

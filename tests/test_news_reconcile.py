@@ -293,11 +293,16 @@ def test_window_candidates_are_kept_until_their_sweep_is_finished(news_db):
     s1 = assert_ok(run({**conf, **out_of_time}))
     assert s1["backlog_remaining"] is True and s1["posts_reconciled"] == 0
     assert news_db.one(candidates) == 12  # the open sweep still needs them
+    # the next window covers what the unfinished one had left: that one is abandoned, and the
+    # candidates of both are gone once the run is done
     s2 = assert_ok(run(conf))
-    assert s2["sweep_id"] == s1["sweep_id"] and s2["backlog_remaining"] is False
+    assert s2["sweep_id"] != s1["sweep_id"] and s2["backlog_remaining"] is False
     assert s2["posts_reconciled"] == 12
     assert all(news_db.count(p) == 2 for p in ids)
-    assert news_db.one(candidates) == 0  # the sweep is done: its candidates are gone
+    assert news_db.q(
+        "SELECT status FROM pin_nightly.sweep WHERE sweep_id = %s", s1["sweep_id"]
+    ) == [("abandoned",)]
+    assert news_db.one(candidates) == 0
     # a dry run's sweep cannot be adopted: the next run drops what it leaves
     s3 = assert_ok(run({**conf, **out_of_time, "dry_run": True}))
     assert s3["backlog_remaining"] is True and s3["sweep_id"] != s1["sweep_id"]

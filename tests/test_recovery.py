@@ -18,73 +18,15 @@ back; a real SIGKILL is tests/test_reliability.py's).
 
 from __future__ import annotations
 
-import functools
-import importlib
 from datetime import UTC, date, datetime, timedelta
 
 import pytest
 
-from tests.helpers import reference_popularity_score
+from tests.helpers import failed_tasks, inject, reference_popularity_score
 from tools.rundag import clear_and_resume, run_dag
 
 NEWS = "news_comment_reconcile"
 CATALOG = "catalog_popularity_recompute"
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
-    """Make ``module.function`` fail once (see the module docstring); returns a record of
-    whether it fired."""
-    module_name, attr = target.rsplit(".", 1)
-    module = importlib.import_module(module_name)
-    real = getattr(module, attr)
-    state = {"fired": False}
-
-    if how == "mid_batch":  # target is a make_batch
-
-        @functools.wraps(real)
-        def make_batch(*args, **kwargs):
-            batch = real(*args, **kwargs)
-            if kind is not None and kind not in args:
-                return batch
-            calls = [0]
-
-            def failing(cur, *a):
-                out = batch(cur, *a)
-                calls[0] += 1
-                if calls[0] == 2 and not state["fired"]:
-                    state["fired"] = True
-                    raise InjectedFault(f"{target}: worker lost in the middle of a batch")
-                return out
-
-            return failing
-
-        monkeypatch.setattr(module, attr, make_batch)
-        return state
-
-    @functools.wraps(real)
-    def wrapper(*args, **kwargs):
-        if state["fired"]:
-            return real(*args, **kwargs)
-        state["fired"] = True
-        if how == "before":
-            raise InjectedFault(f"{target}: failed before doing anything")
-        real(*args, **kwargs)
-        raise InjectedFault(f"{target}: failed after its work, before returning")
-
-    monkeypatch.setattr(module, attr, wrapper)
-    return state
-
-
-def failed_tasks(r: dict) -> list:
-    return [
-        (k.split("[")[0], int(k.split("[")[1][:-1])) if "[" in k else k
-        for k, v in r["tasks"].items()
-        if v in ("failed", "upstream_failed")
-    ]
 
 
 def recover(dag_id: str, how: str, failed: dict, conf: dict, later: datetime, manual: dict) -> dict:
@@ -385,7 +327,7 @@ def test_news_fault_matrix(news_db, monkeypatch, point, recovery):
 
 # =============================================================================== catalog
 
-D = date(2026, 11, 28)  # as_of_date of the failed run
+D = date(2026, 8, 29)  # as_of_date of the failed run (a Saturday, in the past)
 W, H = 30, 7
 
 

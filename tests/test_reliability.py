@@ -47,7 +47,7 @@ from tools.rundag import run_dag
 NEWS = "news_comment_reconcile"
 CATALOG = "catalog_popularity_recompute"
 FULL = {"scope": "FullSweep"}
-D = date(2026, 11, 30)
+D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
 NEWS_KEY = "Pin:lock:job:scheduled:news-comment-reconcile"
 
 
@@ -326,9 +326,10 @@ WORKER = textwrap.dedent("""
         lease = leases.acquire(conn, news.JOB.lock_key, cfg["holder"], cfg["ttl"], cfg["max_run"])
         assert isinstance(lease, leases.Lease), lease
         spec = keyset.SweepSpec(job=news.JOB.code, family="FullSweep", resumable=True)
-        sweep = keyset.open_sweep(conn, spec, cfg["run_id"], lambda cur, s: keyset.boundaries(
-            cur, sql("news/full_source").strip(), {{"sweep_id": s["sweep_id"]}},
-            cfg["batch_size"], 1))
+        sweep = keyset.open_sweep(
+            conn, spec, lease, cfg["run_id"], lambda cur, s: keyset.boundaries(
+                cur, sql("news/full_source").strip(), {{"sweep_id": s["sweep_id"]}},
+                cfg["batch_size"], 1))
         [rng] = keyset.range_descriptors(sweep, "FullSweep")
         batch = news.make_batch(opts, sweep["sweep_id"], cfg["run_id"], candidate_mode=False)
         print("working", sweep["sweep_id"], flush=True)
@@ -494,7 +495,7 @@ def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news
 # --- 3c. the lease taken over while a slow worker still runs (fencing) --------------------------
 
 
-def _sweep(conn, run_id: str, batch_size: int):
+def _sweep(conn, lease, run_id: str, batch_size: int):
     from pin_nightly import keyset, news
     from pin_nightly.db import sql
 
@@ -502,6 +503,7 @@ def _sweep(conn, run_id: str, batch_size: int):
     sweep = keyset.open_sweep(
         conn,
         spec,
+        lease,
         run_id,
         lambda cur, s: keyset.boundaries(
             cur, sql("news/full_source").strip(), {"sweep_id": s["sweep_id"]}, batch_size, 1
@@ -533,7 +535,7 @@ def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db
     with connection("news_db") as conn:
         jobs.preflight(conn, news.JOB)
         lease = leases.acquire(conn, NEWS_KEY, "slow-worker/run-1", 10, 5)
-        rng, batch = _sweep(conn, "slow-run-1", 10)
+        rng, batch = _sweep(conn, lease, "slow-run-1", 10)
         with pytest.raises(LeaseLost, match="expired or was taken over"):
             keyset.run_range(conn, rng, lease, 10, batch, on_batch=take_over)
     assert isinstance(taken[0], leases.Lease) and taken[0].token > lease.token
@@ -567,7 +569,7 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
                 jobs.preflight(conn, news.JOB)
                 lease = leases.acquire(conn, NEWS_KEY, "slow-worker/run-1", 0.03, 0.02)
                 outcome["lease"] = lease
-                rng, batch = _sweep(conn, "slow-run-1", 10)
+                rng, batch = _sweep(conn, lease, "slow-run-1", 10)
                 outcome["result"] = keyset.run_range(conn, rng, lease, 10, batch)
         except BaseException as exc:  # noqa: BLE001
             outcome["error"] = exc

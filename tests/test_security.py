@@ -22,7 +22,7 @@ from psycopg.conninfo import make_conninfo
 from tools.devenv import REPO, admin_dsn, airflow_connection, run_sql_file
 from tools.rundag import run_dag
 
-D = date(2026, 11, 30)
+D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
 SUFFIX = re.sub(r"\W", "_", os.environ.get("PIN_TEST_ID", "")).lower()
 INSUFFICIENT_PRIVILEGE = "42501"
 
@@ -101,9 +101,10 @@ def _grants(dsn: str, role: str) -> dict[str, str]:
 JOB_STATE = {
     "pin_nightly": "USAGE",
     "pin_nightly.job_lease": "DELETE,INSERT,SELECT,UPDATE",
-    "pin_nightly.sweep": "INSERT,SELECT,UPDATE",
-    "pin_nightly.sweep_range": "INSERT,SELECT,UPDATE",
-    "pin_nightly.run_log": "INSERT,SELECT,UPDATE",
+    "pin_nightly.sweep": "DELETE,INSERT,SELECT,UPDATE",
+    "pin_nightly.sweep_range": "DELETE,INSERT,SELECT,UPDATE",
+    "pin_nightly.run_log": "DELETE,INSERT,SELECT,UPDATE",
+    "pin_nightly.item_error": "DELETE,INSERT,SELECT",
     "pin_nightly.lease_token_seq": "USAGE",
     "pin_nightly.sweep_sweep_id_seq": "USAGE",
 }
@@ -140,14 +141,14 @@ def test_news_role_holds_exactly_the_minimal_grants(news_job):
         "news.comments": "SELECT",
         "news.posts.comments_count": "UPDATE",
         "news.posts.updated_at": "UPDATE",
-        "pin_nightly.news_drift": "INSERT,SELECT",
+        "pin_nightly.news_drift": "DELETE,INSERT,SELECT",
         "pin_nightly.news_window_candidate": "DELETE,INSERT,SELECT",
         "pin_nightly.news_skipped_post": "DELETE,INSERT,SELECT,UPDATE",
     }
     assert db.q("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'pin_news_job'") == [(False,)]
     # roles.sql is idempotent: applied again, the same grants
     run_sql_file(db.dsn, "schema/roles.sql")
-    assert len(_grants(db.dsn, "pin_news_job")) == 15
+    assert len(_grants(db.dsn, "pin_news_job")) == 16
 
 
 def test_news_dag_runs_as_the_job_role_and_the_role_cannot_do_more(news_job):
@@ -194,8 +195,8 @@ def test_news_dag_runs_as_the_job_role_and_the_role_cannot_do_more(news_job):
         _denied(conn, "CREATE TABLE pin_nightly.x (id int)")
         _denied(conn, "CREATE SCHEMA pin_x")
         _denied(conn, "DROP TABLE pin_nightly.job_lease")
-        _denied(conn, "DELETE FROM pin_nightly.sweep")
-        _denied(conn, "DELETE FROM pin_nightly.news_drift")
+        _denied(conn, "TRUNCATE pin_nightly.sweep")
+        _denied(conn, "UPDATE pin_nightly.news_drift SET count_to = 0")
     assert db.count(right) == 2 and db.one("SELECT count(*) FROM news.comments") == 6
 
 
@@ -252,8 +253,9 @@ def test_missing_job_tables_are_reported_not_created_by_the_job_role(news_job, c
     text = out.out + out.err + caplog.text
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
     assert (
-        "job-owned table pin_nightly.news_skipped_post does not exist and this role may not "
-        "create it: a DBA applies include/sql/schema/pin_nightly.sql"
+        "job-owned tables are missing or out of date (pin_nightly.sweep_open_owner does not "
+        "exist) and this role may not change them: a DBA applies "
+        "include/sql/schema/pin_nightly.sql"
     ) in text
     assert db.count(drifted) == 5
     assert db.one("SELECT to_regnamespace('pin_nightly') IS NULL")

@@ -6,7 +6,10 @@ between calls).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from tools.devenv import REPO
@@ -26,12 +29,16 @@ def run_dag(
     conf: dict[str, Any] | None = None,
     logical_date: datetime | None = None,
     run_after: datetime | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Run the DAG once; return run id, state, task states and the summary XCom.
 
     Passing the ``logical_date`` and ``run_after`` of an earlier call runs the same DAG run
     again: its task instances are cleared and run, as when a run is cleared in the UI.
+    ``run_id`` names the run (``dag.test()`` names it ``manual__<now>``), e.g. the
+    ``scheduled__<slot>`` that every deployment firing a slot gives its run.
     """
+
     dag = load_dag(dag_id)
     # apache/airflow#73428: dag.test() crashes when it marks a run of a DAG with deadline=
     # successful (it looks deadline alerts up by the in-memory definitions instead of their
@@ -44,8 +51,34 @@ def run_dag(
         kwargs["logical_date"] = logical_date
     if run_after is not None:
         kwargs["run_after"] = run_after
-    dr = dag.test(**kwargs)
+    with _named(run_id):
+        dr = dag.test(**kwargs)
     return run_outcome(dag_id, dr.run_id)
+
+
+@contextmanager
+def _named(run_id: str | None) -> Iterator[None]:
+    """``dag.test()`` names its run ``run_id`` (and gives it the type the id says, e.g.
+    scheduled: Airflow refuses a manual run named like a scheduled one)."""
+    if run_id is None:
+        yield
+        return
+    from unittest import mock
+
+    from airflow.models.dagrun import DagRun
+    from airflow.serialization.definitions.dag import SerializedDAG
+    from airflow.utils.types import DagRunType
+
+    create = SerializedDAG.create_dagrun
+
+    def create_typed(self, *args, **kwargs):
+        return create(self, *args, **{**kwargs, "run_type": DagRunType.from_run_id(run_id)})
+
+    with (
+        mock.patch.object(DagRun, "generate_run_id", return_value=run_id),
+        mock.patch.object(SerializedDAG, "create_dagrun", create_typed),
+    ):
+        yield
 
 
 def clear_and_resume(
@@ -79,6 +112,7 @@ def clear_and_resume(
     with create_session() as session:
         dr = session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.run_id == run_id).one()
         dr.dag = scheduler_dag
+        idle_since = time.monotonic()
         while dr.state == DagRunState.RUNNING:
             session.expire_all()
             schedulable, _ = dr.update_state(session=session)
@@ -92,7 +126,15 @@ def clear_and_resume(
                 for ti in dr.get_task_instances(session=session)
                 if ti.state == TaskInstanceState.SCHEDULED
             ]
-            if not scheduled:
+            if scheduled:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > 60:
+                states = {
+                    (ti.task_id, ti.map_index): str(ti.state)
+                    for ti in dr.get_task_instances(session=session)
+                }
+                raise RuntimeError(f"run {run_id} is running with nothing to run: {states}")
+            else:
                 time.sleep(0.2)
             for ti in scheduled:
                 try:
@@ -125,3 +167,29 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
             "tasks": tis,
             "summary": XComModel.deserialize_value(row) if row else None,
         }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tools.rundag DAG_ID [--home DIR] [--conf JSON] [--run-id ID]
+    [--logical-date ISO]``: one run in an Airflow of its own (the metadata database under
+    ``--home``, migrated on first use), e.g. a second deployment next to the test's own
+    Airflow; prints the outcome as JSON on the last line."""
+    import argparse
+    import json
+
+    from tools import devenv
+
+    ap = argparse.ArgumentParser(prog="python -m tools.rundag")
+    ap.add_argument("dag_id")
+    ap.add_argument("--home", type=Path, default=REPO / ".airflow")
+    ap.add_argument("--conf", type=json.loads, default={})
+    ap.add_argument("--run-id")
+    ap.add_argument("--logical-date", type=datetime.fromisoformat)
+    args = ap.parse_args(argv)
+    devenv.init_airflow(args.home)
+    out = run_dag(args.dag_id, args.conf, logical_date=args.logical_date, run_id=args.run_id)
+    print(json.dumps(out, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

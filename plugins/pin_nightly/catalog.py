@@ -64,7 +64,7 @@ JOB = JobDef(
     lock_key="Pin:lock:job:scheduled:catalog-popularity-recompute",
     domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
     owned_ddl=[
-        ("pin_nightly.news_skipped_post", "schema/pin_nightly"),
+        ("pin_nightly.sweep_open_owner", "schema/pin_nightly"),
         ("catalog.popularity_daily_views", "schema/catalog_popularity"),
     ],
 )
@@ -135,7 +135,12 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     if errors:
         raise JobConfigError("invalid options: " + "; ".join(errors))
     instant = pendulum.instance(run_instant).in_timezone("UTC")
-    opts = {**p, "card_ids": card_ids, "as_of_date": instant.date().isoformat()}
+    opts = {
+        **p,
+        "card_ids": card_ids,
+        "as_of_date": instant.date().isoformat(),
+        "run_tag": jobs.run_tag(),
+    }
     log.info(
         "run started: as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
         "dry_run=%s card_ids=%d",
@@ -149,12 +154,38 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
     return opts
 
 
+def check_as_of_date(opts: dict[str, Any]) -> None:
+    """Refuse a run dated after the database's current date (UTC), before anything is written:
+    its snapshots would carry a future date, its scores would age every card's history, its
+    retention would prune the real history, and every real night until then would write
+    nothing (history is never rewritten)."""
+    with connection(JOB.conn_id) as conn, transaction(conn) as cur:
+        cur.execute(sql("catalog/today"))
+        today = cur.fetchone()[0]
+    if date.fromisoformat(opts["as_of_date"]) > today:
+        raise JobConfigError(
+            f"invalid options: as_of_date {opts['as_of_date']} (the run's logical date in UTC) "
+            f"is after the database's current date {today.isoformat()}: a run may not be dated "
+            "in the future; trigger it without a logical date (today) or with one up to today"
+        )
+
+
 def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
-    """The newest snapshot date when it is newer than as_of_date (then nothing may be written)."""
-    cur.execute(sql("catalog/newest_snapshot"))
-    newest = cur.fetchone()[0]
-    if newest is not None and newest > date.fromisoformat(opts["as_of_date"]):
-        return newest.isoformat()
+    """Why this run may write nothing, or None: a newer date already has snapshots or a pass
+    of a real run (a late clear of an older run, a backfill: history is never rewritten and
+    newer scores never replaced by older ones), or snapshots are dated after today."""
+    cur.execute(sql("catalog/newest_snapshot"), {"job": JOB.code})
+    g = fetch_one_dict(cur)
+    as_of = date.fromisoformat(opts["as_of_date"])
+    if g["newest_snapshot"] is not None and g["newest_snapshot"] > g["today"]:
+        return (
+            f"snapshots dated after today ({g['today']}) exist, up to {g['newest_snapshot']}: "
+            "delete them (README, Runbook: snapshots dated in the future)"
+        )
+    if g["newest_pass"] is not None and g["newest_pass"] > as_of:
+        return f"superseded by the run {g['newest_pass_run']} of {g['newest_pass']}"
+    if g["newest_snapshot"] is not None and g["newest_snapshot"] > as_of:
+        return f"as_of_date older than snapshots of {g['newest_snapshot']}"
     return None
 
 
@@ -162,45 +193,90 @@ def plan_ranges(
     kind: str, opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
 ) -> list[dict[str, Any]]:
     """Open (or adopt) the sweep of one card kind for as_of_date; return its ranges."""
-    if lease_from_xcom(lease_data) is None:
+    lease = lease_from_xcom(lease_data)
+    if lease is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
     targeted = bool(opts["card_ids"])
+    resumable = not targeted and not opts["dry_run"]
     spec = keyset.SweepSpec(
         job=JOB.code,
         family=kind,
-        resumable=not targeted and not opts["dry_run"],
+        resumable=resumable,
+        rotate=resumable,
         as_of_date=opts["as_of_date"],
         targeted=targeted,
         dry_run=opts["dry_run"],
-        params={"as_of_date": opts["as_of_date"], "card_ids": len(opts["card_ids"])},
+        variant=formula_variant(opts),
+        params={
+            "as_of_date": opts["as_of_date"],
+            "card_ids": len(opts["card_ids"]),
+            "window_days": opts["window_days"],
+            "half_life_days": opts["half_life_days"],
+        },
     )
     with connection(JOB.conn_id) as conn:
         with transaction(conn) as cur:
-            newest = _backfill_guard(cur, opts)
-        if newest is not None:
-            log.warning(
-                "as_of_date %s is older than the newest stored snapshot (%s): this run "
-                "writes nothing (history is never rewritten)",
-                opts["as_of_date"],
-                newest,
-            )
+            why = _backfill_guard(cur, opts)
+        if why is not None:
+            log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
             return []
+
+        source = {"targeted": targeted, "card_ids": opts["card_ids"]}
 
         def plan(cur, _sweep):
             return keyset.boundaries(
                 cur,
                 card_sql("source", kind).strip(),
-                {"targeted": targeted, "card_ids": opts["card_ids"]},
+                source,
                 opts["batch_size"],
                 opts["max_ranges"],
             )
 
-        sweep = keyset.open_sweep(conn, spec, run_id, plan)
-    return keyset.range_descriptors(sweep, kind)
+        sweep = keyset.open_sweep(conn, spec, lease, run_id, plan)
+        with transaction(conn) as cur:
+            share = budget_share(cur, kind, source)
+    ranges = keyset.range_descriptors(sweep, kind)
+    for r in ranges:
+        r["budget_share"] = share
+    if share < 1:
+        log.info(
+            "%s pass: at most %.0f%% of the run's budget (its share of the cards); the rest "
+            "is the later passes'",
+            kind,
+            share * 100,
+        )
+    return ranges
 
 
-def make_batch(kind: str, opts: dict[str, Any]):
+def budget_share(cur, kind: str, source: dict[str, Any]) -> float:
+    """The share of the run's time budget a pass may use: its cards over the cards of its pass
+    and the passes after it, so that a pass that outgrows the budget never starves the passes
+    after it (their share is theirs; what a pass leaves unused goes to the next). The last pass
+    may use all that is left."""
+    names = [k.name for k in CARD_KINDS]
+    counts = []
+    for later in names[names.index(kind) :]:
+        cur.execute(
+            sql("common/keyset_count").replace("{source}", card_sql("source", later).strip()),
+            source,
+        )
+        counts.append(int(cur.fetchone()[0]))
+    total = sum(counts)
+    return 1.0 if len(counts) == 1 or total == 0 else max(counts[0] / total, 0.05)
+
+
+def formula_variant(opts: dict[str, Any]) -> str:
+    """The formula parameters in a pass's identity ("" for the nightly's own): a run with
+    another window or half-life never adopts the nightly's unfinished pass, nor it that run's,
+    so one date's scores never mix two formulas."""
+    w, h = opts["window_days"], opts["half_life_days"]
+    if (w, h) == (DEFAULTS["window_days"], DEFAULTS["half_life_days"]):
+        return ""
+    return f"window {w}d half-life {h:g}d"
+
+
+def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str):
     lock_sql = card_sql("lock", kind)
     ids_sql = card_sql("ids_lock", kind)
     apply_sql = card_sql("apply", kind)
@@ -241,18 +317,31 @@ def make_batch(kind: str, opts: dict[str, Any]):
             # the generic plan of this statement is ~20 % slower than a custom one, and
             # planning it is cheap next to executing it (bench/RESULTS.md)
             cur.execute(sql("common/custom_plans"))
-            cur.execute(
-                apply_sql,
-                {
-                    "ids": [r["id"] for r in locked],
-                    "views": [r["views"] for r in locked],
-                    "kind": kind,
-                    "as_of": opts["as_of_date"],
-                    "window_days": opts["window_days"],
-                    "half_life": opts["half_life_days"],
-                },
+            views = {r["id"]: r["views"] for r in locked}
+
+            def apply(ids: list[str]) -> list[dict[str, Any]]:
+                cur.execute(
+                    apply_sql,
+                    {
+                        "ids": ids,
+                        "views": [views[i] for i in ids],
+                        "kind": kind,
+                        "as_of": opts["as_of_date"],
+                        "window_days": opts["window_days"],
+                        "half_life": opts["half_life_days"],
+                    },
+                )
+                return fetch_dicts(cur)
+
+            parts, failed = keyset.isolate_items(
+                cur, list(views), apply, JOB.code, run_id, sweep_id, "card_id"
             )
-            out = fetch_one_dict(cur)
+            out = {
+                "snapshots_written": sum(p["snapshots_written"] for p in parts),
+                "cards_updated": sum(p["cards_updated"] for p in parts),
+                "overflow_ids": [i for p in parts for i in p["overflow_ids"]],
+            }
+            poison.extend({"id": i} for i in failed)
             if opts["dry_run"]:
                 cur.execute(sql("common/rollback_to_savepoint"))
         for card_id in out["overflow_ids"]:
@@ -287,7 +376,7 @@ def recompute_range(
         rng,
         lease_data,
         opts["batch_size"],
-        make_batch(kind, opts),
+        make_batch(kind, opts, rng["sweep_id"], run_id),
         run_id,
         span_attributes={"pin.card_kind": kind},
     )
@@ -312,8 +401,9 @@ def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
         if leases.fence(cur, lease)[0]:
             log.warning("retention skipped: the run's deadline has passed")
             return 0
-        if _backfill_guard(cur, opts) is not None:
-            log.warning("retention skipped: as_of_date is older than the newest snapshot")
+        why = _backfill_guard(cur, opts)
+        if why is not None:
+            log.warning("retention skipped: %s", why)
             return 0
         if opts["dry_run"]:
             cur.execute(sql("catalog/retention_count"), params)
@@ -366,7 +456,7 @@ def summarize(
         if lease is None:
             result["status"] = LOCK_HELD
         else:
-            totals, unfinished = keyset.finish_run(conn, JOB.code, run_id)
+            totals, unfinished = keyset.finish_run(conn, JOB.code, lease.holder)
             for t in totals:
                 p = KINDS[t["family"]].result
                 result[f"{p}_updated"] += t["rows_changed"]
@@ -378,12 +468,13 @@ def summarize(
                 f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished
             ]
             result["backlog_remaining"] = bool(unfinished)
+            result["history_pruned"] = jobs.prune_history(conn, JOB, opts)
             with transaction(conn) as cur:
-                newest = _backfill_guard(cur, opts)
+                why = _backfill_guard(cur, opts)
                 cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
                 scored = fetch_one_dict(cur)
-            if newest is not None:
-                result["status"] = f"nothing written: as_of_date older than snapshots of {newest}"
+            if why is not None:
+                result["status"] = f"nothing written: {why}"
             elif result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
             if scored is not None:

@@ -152,8 +152,9 @@ def ensure_schema(conn, probe: str, ddl_name: str) -> bool:
             if sqlstate(exc) != "42501":  # insufficient_privilege: a least-privilege job role
                 raise
             raise JobConfigError(
-                f"job-owned table {probe} does not exist and this role may not create it: a DBA "
-                f"applies include/sql/{ddl_name}.sql, then include/sql/schema/roles.sql"
+                f"job-owned tables are missing or out of date ({probe} does not exist) and this "
+                f"role may not change them: a DBA applies include/sql/{ddl_name}.sql, then "
+                "include/sql/schema/roles.sql"
             ) from exc
     return True
 

@@ -18,6 +18,8 @@ from pin_nightly.db import (
     connection,
     ensure_schema,
     has_index_on,
+    sql,
+    transaction,
 )
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,12 @@ class JobDef:
     owned_ddl: list[tuple[str, str]]
     # (table, fragment of the index definition, human name) of recommended indexes
     recommended_indexes: list[tuple[str, str, str]] = field(default_factory=list)
+    # (retention param in days, statement that prunes past it) of the job-owned history
+    history: tuple[tuple[str, str], ...] = (
+        ("run_log_retention_days", "common/prune_run_log"),
+        ("sweep_retention_days", "common/prune_sweeps"),
+        ("item_error_retention_days", "common/prune_item_errors"),
+    )
 
 
 # Upper bounds of the run budget and the lease TTL: larger values overflow PostgreSQL's
@@ -45,6 +53,21 @@ class JobDef:
 MAX_RUN_MINUTES = 7 * 24 * 60
 MAX_TTL_MINUTES = 14 * 24 * 60
 MAX_BATCH = 100_000
+MAX_RETENTION_DAYS = 3660
+HISTORY_DAYS = 90  # the runbook reads three months back
+
+
+def retention_param(what: str):
+    from airflow.sdk import Param
+
+    return Param(
+        HISTORY_DAYS,
+        type="integer",
+        minimum=1,
+        maximum=MAX_RETENTION_DAYS,
+        description=f"Days that {what} are kept; older ones are deleted by the runs (an "
+        f"integer from 1 to {MAX_RETENTION_DAYS})",
+    )
 
 
 def common_params(
@@ -89,6 +112,13 @@ def common_params(
             description=f"Upper bound of keyset ranges (mapped tasks){ranges_per}, an integer "
             "from 1 to 64",
         ),
+        "run_log_retention_days": retention_param("run results (pin_nightly.run_log)"),
+        "sweep_retention_days": retention_param(
+            "closed sweeps and their range cursors (pin_nightly.sweep, sweep_range)"
+        ),
+        "item_error_retention_days": retention_param(
+            "rows a batch could not write (pin_nightly.item_error)"
+        ),
     }
 
 
@@ -103,6 +133,21 @@ def check_budget(p: dict[str, Any], errors: list[str]) -> None:
             f"lock_ttl_minutes ({p['lock_ttl_minutes']}) must exceed max_run_duration_minutes "
             f"({p['max_run_duration_minutes']}): the lock must outlive the run"
         )
+
+
+def run_tag() -> str:
+    """A random tag that validate_options draws once per run (and again when the whole run is
+    cleared). With the dag id and run id it names the run's acquisition of the lease, which
+    owns the sweeps and ranges it works: two deployments that fire one cron slot give their
+    runs the same id (``scheduled__<slot>``), never the same tag. Clearing some tasks of a run
+    (a range re-runs with its setup task, acquire_lease) keeps the tag, and with it the work."""
+    return uuid.uuid4().hex[:12]
+
+
+def holder_of(job: JobDef, opts: dict[str, Any], run_id: str) -> str:
+    """The lease holder, and owner of the sweeps, of the run's acquisition."""
+    tag = opts.get("run_tag")
+    return f"{job.dag_id}/{run_id}" + (f" ~{tag}" if tag else "")
 
 
 def run_instant(logical_date: datetime | None, run_after: datetime | None) -> datetime:
@@ -135,7 +180,7 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, A
     When another holder has it, the run's work is skipped: the result says
     ``acquired: False`` and the planning task plans nothing (the run succeeds, doing nothing).
     """
-    holder = f"{job.dag_id}/{run_id}"
+    holder = holder_of(job, opts, run_id)
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
         try:
@@ -200,6 +245,21 @@ def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
         return False
     with connection(job.conn_id) as conn:
         return leases.release(conn, lease)
+
+
+def prune_history(conn, job: JobDef, opts: dict[str, Any]) -> dict[str, int]:
+    """Delete the job-owned history past its retention params (not in a dry run); return the
+    rows deleted per param."""
+    if opts["dry_run"]:
+        return {}
+    pruned = {}
+    with transaction(conn) as cur:
+        for param, statement in job.history:
+            cur.execute(sql(statement), {"job": job.code, "days": opts[param]})
+            pruned[param] = cur.rowcount
+    if any(pruned.values()):
+        log.info("job history past its retention deleted: %s", pruned)
+    return pruned
 
 
 def task_failed(metric: str, context: dict[str, Any]) -> None:
@@ -285,11 +345,27 @@ def run_range_task(
     run_id: str,
     span_attributes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Body of a mapped range task: work through the range, stop gracefully."""
+    """Body of a mapped range task: work through the range, stop gracefully. A range that is no
+    longer this run's (a later run adopted it, or its sweep was abandoned for a newer date:
+    the task was cleared late) writes nothing and ends green, saying which run took over."""
     with tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span:
-        lease = rejoin_lease(job, lease_data)
-        with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
-            res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
+        taken = lease_from_xcom(lease_data)
+        if taken is None:
+            raise leases.LeaseLost("this run holds no lease; nothing may be written")
+        with connection(job.conn_id) as conn:
+            why = keyset.superseded(keyset.get_range(conn, rng), taken.holder)
+        if why is None:
+            lease = rejoin_lease(job, lease_data)
+            with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
+                res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
+        else:
+            log.warning("range %s: %s; this task writes nothing", rng["label"], why)
+            res = keyset.RangeResult(
+                sweep_id=rng["sweep_id"],
+                range_no=rng["range_no"],
+                status="superseded",
+                superseded_by=why,
+            )
         tracing.set_result(span, _range_result, res)
         log.info(
             "range %s %s: processed=%d changed=%d written=%d batches=%d "

@@ -123,13 +123,17 @@ def _take(conn, params: dict[str, Any]) -> Lease | LeaseHeld:
     )
 
 
-def fence(cur, lease: Lease) -> tuple[bool, bool]:
+def fence(cur, lease: Lease, budget_share: float = 1.0) -> tuple[bool, bool]:
     """Inside a batch transaction: raise :class:`LeaseLost` unless the lease is still ours.
 
-    Returns ``(past_deadline, renew_due)``: whether the run's deadline has passed (no new batch
-    may start) and whether less than half of the lease's TTL is left.
+    Returns ``(past_deadline, renew_due)``: whether the run's deadline, or ``budget_share`` of
+    the run's budget, has passed (no new batch may start) and whether less than half of the
+    lease's TTL is left.
     """
-    cur.execute(sql("common/lease_fence"), {"lock_key": lease.lock_key, "token": lease.token})
+    cur.execute(
+        sql("common/lease_fence"),
+        {"lock_key": lease.lock_key, "token": lease.token, "budget_share": budget_share},
+    )
     row = cur.fetchone()
     if row is None:
         raise LeaseLost(

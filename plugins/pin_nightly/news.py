@@ -53,11 +53,12 @@ JOB = JobDef(
         "news.posts": ["id", "status", "comments_count", "updated_at"],
         "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
     },
-    owned_ddl=[("pin_nightly.news_skipped_post", "schema/pin_nightly")],
+    owned_ddl=[("pin_nightly.sweep_open_owner", "schema/pin_nightly")],
     recommended_indexes=[
         ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
         ("news.comments", "(updated_at)", "ix_comments_updated_at"),
     ],
+    history=(*JobDef.history, ("drift_retention_days", "news/prune_drift")),
 )
 
 _MAX_LOOKBACK_HOURS = 366 * 24  # larger overflows Python's datetimes
@@ -109,6 +110,7 @@ PARAMS = {
         "0190a000-0000-7000-8000-000000000000; leave scope at auto",
         "Report drift, write nothing",
     ),
+    "drift_retention_days": jobs.retention_param("drift records (pin_nightly.news_drift)"),
 }
 DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 # Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
@@ -158,6 +160,7 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
         "post_ids": post_ids,
         "effective_scope": scope,
         "run_instant": pendulum.instance(instant).in_timezone(TZ).isoformat(),
+        "run_tag": jobs.run_tag(),
     }
     log.info(
         "options: scope=%s (asked %s) batch_size=%s max_run_duration_minutes=%s "
@@ -187,7 +190,8 @@ def plan_ranges(
     opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
 ) -> list[dict[str, Any]]:
     """Open (or adopt) the run's sweep and return its ranges (none when the lease is held)."""
-    if lease_from_xcom(lease_data) is None:
+    lease = lease_from_xcom(lease_data)
+    if lease is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
     scope = opts["effective_scope"]
@@ -230,7 +234,7 @@ def plan_ranges(
         )
 
     with connection(JOB.conn_id) as conn:
-        sweep = keyset.open_sweep(conn, sweep_spec(opts), run_id, plan, prepare)
+        sweep = keyset.open_sweep(conn, sweep_spec(opts), lease, run_id, plan, prepare)
     ranges = keyset.range_descriptors(sweep, scope)
     cursors = {
         f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
@@ -267,6 +271,7 @@ def sweep_spec(opts: dict[str, Any]) -> keyset.SweepSpec:
         resumable=real,
         dry_run=opts["dry_run"],
         resume_others=real,
+        subsumes=opts["effective_scope"] == "DailyWindow",
         params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])},
     )
 
@@ -290,12 +295,19 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
         held = set(locked)
         skipped = [i for i in got["suspect_ids"] if i not in held]
         drift: list[dict[str, Any]] = []
+        failed: list[str] = []
         if locked:
-            cur.execute(
-                sql("news/apply"),
-                {"ids": locked, "dry_run": dry_run, "sweep_id": sweep_id, "run_id": run_id},
+
+            def apply(ids: list[str]) -> list[dict[str, Any]]:
+                cur.execute(
+                    sql("news/apply"),
+                    {"ids": ids, "dry_run": dry_run, "sweep_id": sweep_id, "run_id": run_id},
+                )
+                return fetch_dicts(cur)
+
+            drift, failed = keyset.isolate_items(
+                cur, locked, apply, JOB.code, run_id, sweep_id, "post_id"
             )
-            drift = fetch_dicts(cur)
         if skipped and not dry_run:
             cur.execute(sql("news/skipped_record"), {"ids": skipped})
         for d in drift:
@@ -310,8 +322,9 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
         return keyset.Batch(
             last_id=got["last_id"],
             full=got["n_read"] >= limit,
-            processed=got["n_eligible"] - len(skipped),
+            processed=got["n_eligible"] - len(skipped) - len(failed),
             changed=len(drift),
+            item_errors=len(failed),
             skipped_ids=skipped,
         )
 
@@ -347,6 +360,7 @@ def summarize(
         "backlog_remaining": False,
         "duration_ms": 0,
         "posts_skipped_locked": 0,
+        "item_errors": 0,
         "sweep_id": None,
         "run_id": run_id,
         "sweeps": [],
@@ -358,7 +372,7 @@ def summarize(
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
         else:
-            totals, unfinished = keyset.finish_run(conn, JOB.code, run_id)
+            totals, unfinished = keyset.finish_run(conn, JOB.code, lease.holder)
             for t in totals:
                 if t["scope"] == sweep_spec(opts).scope:
                     result["sweep_id"] = t["sweep_id"]
@@ -378,6 +392,7 @@ def summarize(
                 result["drift_found"] += t["rows_changed"]
                 result["batches_processed"] += t["batches"]
                 result["posts_skipped_locked"] += t["skipped_locked"]
+                result["item_errors"] += t["item_errors"]
                 result["last_post_id"] = max(
                     filter(None, [result["last_post_id"], t["last_id"]]), default=None
                 )
@@ -390,7 +405,8 @@ def summarize(
             result["duration_ms"] = elapsed_ms(lease)
             if result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
-            _tidy(conn, run_id)
+            _tidy(conn, lease.holder)
+            result["history_pruned"] = jobs.prune_history(conn, JOB, opts)
             completed = _last_completed(conn)
         keyset.write_run_log(
             conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
@@ -400,7 +416,8 @@ def summarize(
         "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
         "batches=%(batches_processed)s "
         "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
-        "skipped_locked=%(posts_skipped_locked)s scope=%(scope)s dry_run=%(dry_run)s "
+        "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
+        "scope=%(scope)s dry_run=%(dry_run)s "
         "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
         result,
     )
@@ -414,11 +431,11 @@ def summarize(
     return result
 
 
-def _tidy(conn, run_id: str) -> None:
+def _tidy(conn, owner: str) -> None:
     """Forget what no run needs any more: window candidates of finished sweeps, and skipped
     posts that a completed sweep has covered since."""
     with transaction(conn) as cur:
-        cur.execute(sql("news/prune_candidates"), {"job": JOB.code, "run_id": run_id})
+        cur.execute(sql("news/prune_candidates"), {"job": JOB.code, "owner": owner})
         if cur.rowcount:
             log.info("deleted %d window candidates of finished sweeps", cur.rowcount)
         cur.execute(sql("news/prune_skipped"), {"job": JOB.code})
@@ -437,7 +454,8 @@ def _emit(result: dict[str, Any], completed: dict[str, float], threshold: int) -
         return
     metrics.incr(f"{METRIC}_posts_reconciled_total", result["posts_reconciled"])
     metrics.incr(f"{METRIC}_drift_corrected_total", result["drift_corrected"])
-    metrics.incr(f"{METRIC}_errors_total", 0)  # the series exists before the first error
+    # posts a batch could not write (pin_nightly.item_error); failed tasks count on their own
+    metrics.incr(f"{METRIC}_errors_total", result["item_errors"])
     metrics.timing(f"{METRIC}_run_duration_ms", result["duration_ms"])
     metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
     metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])

@@ -35,8 +35,12 @@ RETURNING token, acquired_at, expires_at, run_deadline_at
 -- FOR SHARE keeps a competing acquisition (an UPDATE of this row) waiting until the batch
 -- commits, so a batch never overlaps with a new holder; parallel workers of the same run share
 -- it. Also says whether the run's deadline has passed (an operator may move run_deadline_at to
--- now() to stop a run gracefully) and whether the lease is due for renewal.
-SELECT run_deadline_at <= clock_timestamp()        AS past_deadline,
+-- now() to stop a run gracefully), or the worker's share of the run's budget (budget_share, a
+-- fraction: a pass that must leave time to the passes after it), and whether the lease is due
+-- for renewal.
+SELECT run_deadline_at <= clock_timestamp()
+           OR acquired_at + (run_deadline_at - acquired_at) * %(budget_share)s::float8
+              <= clock_timestamp()                   AS past_deadline,
        expires_at - clock_timestamp() < ttl / 2    AS renew_due
   FROM pin_nightly.job_lease
  WHERE lock_key = %(lock_key)s AND token = %(token)s AND expires_at > clock_timestamp()

@@ -21,18 +21,32 @@ OFFSET %(pin_skip)s
  LIMIT 1
 
 -- name: range_insert
-INSERT INTO pin_nightly.sweep_range (sweep_id, range_no, lower_id, upper_id, planned_rows, run_id)
-VALUES (%(sweep_id)s, %(range_no)s, %(lower_id)s::uuid, %(upper_id)s::uuid, %(planned_rows)s,
-        %(run_id)s)
+INSERT INTO pin_nightly.sweep_range
+       (sweep_id, range_no, lower_id, upper_id, wrap_at, planned_rows, run_id, owner)
+VALUES (%(sweep_id)s, %(range_no)s, %(lower_id)s::uuid, %(upper_id)s::uuid, %(wrap_at)s::uuid,
+        %(planned_rows)s, %(run_id)s, %(owner)s)
 
 -- name: range_get
+-- A range, its owner and its sweep's state; superseded_by names the run that took the work
+-- over: the adopter of the range, or the run of the newest later sweep of the same family.
 SELECT r.range_no, r.lower_id::text AS lower_id, r.upper_id::text AS upper_id,
-       r.cursor_id::text AS cursor_id, r.status, r.run_id, s.status AS sweep_status
-  FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
+       r.cursor_id::text AS cursor_id, r.wrap_at::text AS wrap_at, r.wrapped,
+       r.status, r.run_id, r.owner, s.status AS sweep_status,
+       CASE WHEN s.status = 'open' OR n.run_id IS NULL THEN r.run_id
+            ELSE n.run_id || coalesce(' of ' || (n.params ->> 'as_of_date'), '')
+       END AS superseded_by
+  FROM pin_nightly.sweep_range r
+  JOIN pin_nightly.sweep s USING (sweep_id)
+  LEFT JOIN LATERAL (SELECT n.run_id, n.params FROM pin_nightly.sweep n
+                      WHERE n.job = s.job AND n.family = s.family AND n.sweep_id > s.sweep_id
+                        AND n.resumable
+                      ORDER BY n.sweep_id DESC LIMIT 1) n ON true
  WHERE r.sweep_id = %(sweep_id)s AND r.range_no = %(range_no)s
 
 -- name: range_advance
--- Checkpoint: advance the range cursor in the batch's own transaction.
+-- Checkpoint: advance the range cursor in the batch's own transaction, only while the range
+-- is the acquisition's and its sweep open (no row: the work was taken over, the batch rolls
+-- back).
 UPDATE pin_nightly.sweep_range
    SET cursor_id      = coalesce(%(cursor_id)s::uuid, cursor_id),
        rows_processed = rows_processed + %(processed)s,
@@ -43,6 +57,9 @@ UPDATE pin_nightly.sweep_range
        rows_written   = rows_written + %(written)s,
        updated_at     = clock_timestamp()
  WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s AND status = 'pending'
+   AND owner = %(owner)s
+   AND EXISTS (SELECT 1 FROM pin_nightly.sweep s
+                WHERE s.sweep_id = %(sweep_id)s AND s.status = 'open')
 RETURNING cursor_id::text
 
 -- name: range_retried
@@ -54,15 +71,27 @@ UPDATE pin_nightly.sweep_range
        rows_written   = rows_written + %(written)s,
        item_errors    = item_errors + %(item_errors)s,
        updated_at     = clock_timestamp()
- WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s
+ WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s AND owner = %(owner)s
+   AND EXISTS (SELECT 1 FROM pin_nightly.sweep s
+                WHERE s.sweep_id = %(sweep_id)s AND s.status = 'open')
+RETURNING range_no
+
+-- name: range_wrap
+-- A range that started at wrap_at reached its upper end: it goes on from its lower end.
+UPDATE pin_nightly.sweep_range
+   SET wrapped = true, cursor_id = lower_id, updated_at = clock_timestamp()
+ WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s AND owner = %(owner)s
+   AND status = 'pending'
+RETURNING range_no
 
 -- name: range_done
 UPDATE pin_nightly.sweep_range
    SET status = 'done', updated_at = clock_timestamp()
- WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s
+ WHERE sweep_id = %(sweep_id)s AND range_no = %(range_no)s AND owner = %(owner)s
+RETURNING range_no
 
 -- name: run_totals
--- What this run did, from the counters of the ranges it owned.
+-- What this acquisition did, from the counters of the ranges it owned.
 SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
        count(*)                                   AS ranges,
        count(*) FILTER (WHERE r.status = 'done')  AS ranges_done,
@@ -74,14 +103,37 @@ SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
        coalesce(sum(r.rows_written), 0)::bigint   AS rows_written,
        max(r.cursor_id::text)                     AS last_id
   FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
- WHERE s.job = %(job)s AND r.run_id = %(run_id)s
+ WHERE s.job = %(job)s AND r.owner = %(owner)s
  GROUP BY r.sweep_id, s.scope, s.family, s.status
  ORDER BY r.sweep_id
 
 -- name: run_log_upsert
+-- The run id is the key, and another deployment that fired the same slot has the same one: a
+-- run that found the lease held (lock_held) never replaces the row of a run that worked.
 INSERT INTO pin_nightly.run_log (job, run_id, status, result, started_at, finished_at)
 VALUES (%(job)s, %(run_id)s, %(status)s, %(result)s::jsonb, %(started_at)s, clock_timestamp())
 ON CONFLICT (job, run_id) DO UPDATE
    SET status = excluded.status, result = excluded.result,
        started_at = coalesce(excluded.started_at, pin_nightly.run_log.started_at),
        finished_at = excluded.finished_at
+ WHERE NOT %(lock_held)s OR pin_nightly.run_log.status = %(status)s
+
+-- Job-owned history past its retention (days), deleted by the runs themselves.
+-- name: prune_run_log
+DELETE FROM pin_nightly.run_log
+ WHERE job = %(job)s AND finished_at < clock_timestamp() - %(days)s * interval '1 day'
+
+-- name: prune_sweeps
+-- Closed sweeps (with their ranges, ON DELETE CASCADE) whose work ended before the horizon;
+-- the newest completed real sweep of each family stays whatever its age: it dates what the
+-- job has covered (the DailyWindow cutoff, the last-completed metrics).
+DELETE FROM pin_nightly.sweep s
+ WHERE s.job = %(job)s AND s.status <> 'open'
+   AND s.completed_at < clock_timestamp() - %(days)s * interval '1 day'
+   AND s.sweep_id NOT IN (SELECT max(k.sweep_id) FROM pin_nightly.sweep k
+                           WHERE k.job = %(job)s AND k.status = 'done' AND k.resumable
+                           GROUP BY k.family)
+
+-- name: prune_item_errors
+DELETE FROM pin_nightly.item_error
+ WHERE job = %(job)s AND recorded_at < clock_timestamp() - %(days)s * interval '1 day'

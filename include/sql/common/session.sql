@@ -36,3 +36,17 @@ SELECT column_name FROM information_schema.columns
 -- name: index_count
 SELECT count(*) FROM pg_indexes
  WHERE schemaname || '.' || tablename = %(table)s AND indexdef ILIKE %(pattern)s
+
+-- name: savepoint_item
+SAVEPOINT pin_item
+
+-- name: rollback_to_item
+-- Undo the statement that failed on a row, keep the rest of the batch.
+ROLLBACK TO SAVEPOINT pin_item
+
+-- name: release_item
+RELEASE SAVEPOINT pin_item
+
+-- name: item_error_record
+INSERT INTO pin_nightly.item_error (job, run_id, sweep_id, item_id, sqlstate, message)
+VALUES (%(job)s, %(run_id)s, %(sweep_id)s, %(item_id)s::uuid, %(sqlstate)s, %(message)s)

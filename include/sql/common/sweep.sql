@@ -3,8 +3,8 @@
 -- "-- name: <name>".
 
 -- name: sweep_create
-INSERT INTO pin_nightly.sweep (job, scope, family, resumable, run_id, params, started_at)
-VALUES (%(job)s, %(scope)s, %(family)s, %(resumable)s, %(run_id)s, %(params)s::jsonb,
+INSERT INTO pin_nightly.sweep (job, scope, family, resumable, run_id, owner, params, started_at)
+VALUES (%(job)s, %(scope)s, %(family)s, %(resumable)s, %(run_id)s, %(owner)s, %(params)s::jsonb,
         clock_timestamp())
 RETURNING sweep_id, scope, family, resumable, params, started_at
 
@@ -12,34 +12,47 @@ RETURNING sweep_id, scope, family, resumable, params, started_at
 UPDATE pin_nightly.sweep SET params = params || %(params)s::jsonb WHERE sweep_id = %(sweep_id)s
 
 -- name: sweep_find_own
--- The sweep this run already opened or adopted (a re-run of the planning task).
+-- The sweep this acquisition already opened or adopted (a re-run of the planning task).
 SELECT sweep_id, scope, family, resumable, params, started_at
   FROM pin_nightly.sweep
- WHERE job = %(job)s AND scope = %(scope)s AND run_id = %(run_id)s AND status = 'open'
+ WHERE job = %(job)s AND scope = %(scope)s AND owner = %(owner)s AND status = 'open'
  ORDER BY sweep_id DESC
  LIMIT 1
 
 -- name: sweep_adopt
 -- Adopt the open resumable sweep of this scope left by an earlier run (time budget reached,
--- failure): the new run continues its ranges from their cursors.
+-- failure): the new run continues its ranges from their cursors. A scope whose new sweep
+-- covers what an unfinished one left (subsumes: a DailyWindow) adopts only its own run's.
 UPDATE pin_nightly.sweep
-   SET run_id = %(run_id)s
+   SET run_id = %(run_id)s, owner = %(owner)s
  WHERE job = %(job)s AND scope = %(scope)s AND status = 'open' AND resumable
+   AND (NOT %(subsumes)s OR run_id = %(run_id)s)
 RETURNING sweep_id, scope, family, resumable, params, started_at
 
 -- name: sweep_adopt_ranges
--- The adopting run starts its own counters on the ranges that are left.
+-- The adopting acquisition takes the ranges that are left and starts its own counters on them.
+-- An acquisition of the same run (the whole run cleared, which draws a new run tag; or another
+-- deployment's run of the same slot once the first let go) takes all of the run's ranges with
+-- their counters, done ones included, so that the run's totals stay whole. (In SET, run_id is
+-- the value before the update.)
 UPDATE pin_nightly.sweep_range
-   SET run_id = %(run_id)s, rows_processed = 0, rows_changed = 0, batches = 0,
-       skipped_locked = 0, item_errors = 0, rows_written = 0, updated_at = clock_timestamp()
- WHERE sweep_id = %(sweep_id)s AND status = 'pending' AND run_id <> %(run_id)s
+   SET run_id = %(run_id)s, owner = %(owner)s,
+       rows_processed = CASE WHEN run_id = %(run_id)s THEN rows_processed ELSE 0 END,
+       rows_changed   = CASE WHEN run_id = %(run_id)s THEN rows_changed ELSE 0 END,
+       batches        = CASE WHEN run_id = %(run_id)s THEN batches ELSE 0 END,
+       skipped_locked = CASE WHEN run_id = %(run_id)s THEN skipped_locked ELSE 0 END,
+       item_errors    = CASE WHEN run_id = %(run_id)s THEN item_errors ELSE 0 END,
+       rows_written   = CASE WHEN run_id = %(run_id)s THEN rows_written ELSE 0 END,
+       updated_at = clock_timestamp()
+ WHERE sweep_id = %(sweep_id)s AND owner <> %(owner)s
+   AND (status = 'pending' OR run_id = %(run_id)s)
 
 -- name: sweep_adopt_unfinished
 -- The unfinished resumable sweeps of the job other than the run's own scope (for example a
 -- FullSweep stopped by its time budget, on a DailyWindow night): the run adopts them and works
 -- on their ranges after its own, oldest sweep first.
 UPDATE pin_nightly.sweep
-   SET run_id = %(run_id)s
+   SET run_id = %(run_id)s, owner = %(owner)s
  WHERE job = %(job)s AND scope <> %(scope)s AND status = 'open' AND resumable
 RETURNING sweep_id, scope, family, resumable, params, started_at
 
@@ -53,12 +66,12 @@ SELECT range_no, lower_id::text AS lower_id, upper_id::text AS upper_id,
 -- name: sweep_close_finished
 -- Close every open sweep of the job whose ranges are all done, whoever owns it: a run whose
 -- summary never ran (worker lost, retries used up) leaves such a sweep behind, and no range of
--- it is left for a later run to own. Sweeps of the run in keep_run_id stay open (its summary
--- closes them; a re-run of its planning task returns their done ranges unchanged).
+-- it is left for a later run to own. Sweeps of the acquisition in keep_owner stay open (its
+-- summary closes them; a re-run of its planning task returns their done ranges unchanged).
 UPDATE pin_nightly.sweep s
    SET status = 'done', completed_at = clock_timestamp()
  WHERE s.job = %(job)s AND s.status = 'open'
-   AND s.run_id IS DISTINCT FROM %(keep_run_id)s
+   AND s.owner IS DISTINCT FROM %(keep_owner)s
    AND NOT EXISTS (SELECT 1 FROM pin_nightly.sweep_range r
                     WHERE r.sweep_id = s.sweep_id AND r.status <> 'done')
 RETURNING s.sweep_id, s.scope, s.run_id
@@ -71,13 +84,36 @@ UPDATE pin_nightly.sweep
  WHERE job = %(job)s AND family = %(family)s AND scope <> %(scope)s
    AND status = 'open' AND resumable
 
+-- name: sweep_abandon_subsumed
+-- The unfinished sweep of this scope that a new one covers (subsumes) is closed as abandoned.
+UPDATE pin_nightly.sweep
+   SET status = 'abandoned', completed_at = clock_timestamp()
+ WHERE job = %(job)s AND scope = %(scope)s AND status = 'open' AND resumable
+RETURNING sweep_id, scope, run_id
+
+-- name: sweep_resume_point
+-- Where the family's previous sweep stopped, when it was abandoned unfinished (a newer date's
+-- sweep superseded it after its budget ran out): the position of its first pending range in
+-- range order (the order its ranges ran), the range's cursor or lower bound. No row when that
+-- sweep finished, or stopped at the very start of the keyset.
+SELECT prev.sweep_id, r.position::text AS resume_after
+  FROM (SELECT sweep_id, status FROM pin_nightly.sweep
+         WHERE job = %(job)s AND family = %(family)s AND resumable AND sweep_id < %(sweep_id)s
+         ORDER BY sweep_id DESC LIMIT 1) prev
+  JOIN LATERAL (SELECT CASE WHEN r.wrapped THEN coalesce(r.cursor_id, r.lower_id)
+                            ELSE coalesce(r.cursor_id, r.wrap_at, r.lower_id) END AS position
+                  FROM pin_nightly.sweep_range r
+                 WHERE r.sweep_id = prev.sweep_id AND r.status = 'pending'
+                 ORDER BY r.range_no LIMIT 1) r ON true
+ WHERE prev.status = 'abandoned' AND r.position IS NOT NULL
+
 -- name: sweep_abandon_orphans
 -- A sweep that no other run may adopt (a targeted repair or a dry run) and that its own run left
 -- unfinished is closed as abandoned by the next run: its run said backlog_remaining, and it is
 -- repeated by triggering it again, not resumed.
 UPDATE pin_nightly.sweep
    SET status = 'abandoned', completed_at = clock_timestamp()
- WHERE job = %(job)s AND status = 'open' AND NOT resumable AND run_id <> %(run_id)s
+ WHERE job = %(job)s AND status = 'open' AND NOT resumable AND owner <> %(owner)s
 RETURNING sweep_id, scope, run_id
 
 -- name: sweeps_unfinished
@@ -85,7 +121,7 @@ RETURNING sweep_id, scope, run_id
 -- open sweeps (a targeted repair or a dry run stopped by its time budget).
 SELECT sweep_id, scope, run_id, started_at
   FROM pin_nightly.sweep
- WHERE job = %(job)s AND status = 'open' AND (resumable OR run_id = %(run_id)s)
+ WHERE job = %(job)s AND status = 'open' AND (resumable OR owner = %(owner)s)
  ORDER BY started_at
 
 -- name: sweeps_last_completed

@@ -4,4 +4,4 @@
 DELETE FROM pin_nightly.news_window_candidate c
  USING pin_nightly.sweep s
  WHERE s.sweep_id = c.sweep_id AND s.job = %(job)s
-   AND (s.status <> 'open' OR (NOT s.resumable AND s.run_id <> %(run_id)s))
+   AND (s.status <> 'open' OR (NOT s.resumable AND s.owner <> %(owner)s))

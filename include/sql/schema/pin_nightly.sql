@@ -61,6 +61,38 @@ CREATE TABLE IF NOT EXISTS pin_nightly.sweep_range (
     PRIMARY KEY (sweep_id, range_no)
 );
 
+-- The owner of a sweep and of its ranges is the acquisition that works them: the lease holder
+-- of a run (its dag id, run id and the tag its validate_options drew), not the run id alone,
+-- which every deployment that fires a slot gives its run. Added to tables created before owners
+-- existed; their rows take the run id as owner (no open work of theirs can match a new holder).
+ALTER TABLE pin_nightly.sweep ADD COLUMN IF NOT EXISTS owner text;
+UPDATE pin_nightly.sweep SET owner = run_id WHERE owner IS NULL;
+ALTER TABLE pin_nightly.sweep ALTER COLUMN owner SET NOT NULL;
+ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS owner text;
+UPDATE pin_nightly.sweep_range SET owner = run_id WHERE owner IS NULL;
+ALTER TABLE pin_nightly.sweep_range ALTER COLUMN owner SET NOT NULL;
+-- Rows a batch could not write (a domain trigger or a constraint rejected them): the batch
+-- wrote the others and the range went on; the row is tried again by the next run.
+CREATE TABLE IF NOT EXISTS pin_nightly.item_error (
+    job         text        NOT NULL,
+    run_id      text        NOT NULL,
+    sweep_id    bigint      NOT NULL,
+    item_id     uuid        NOT NULL,
+    sqlstate    text,
+    message     text        NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS item_error_recorded ON pin_nightly.item_error (job, recorded_at);
+
+-- A range may start inside itself (a sweep that resumes where the previous night's stopped):
+-- it works (wrap_at, upper_id], then wraps (wrapped) to (lower_id, wrap_at].
+ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS wrap_at uuid;
+ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS wrapped boolean NOT NULL DEFAULT false;
+
+-- the jobs probe for this index (pin_nightly.jobs): a schema without it is brought up to date
+CREATE INDEX IF NOT EXISTS sweep_open_owner
+    ON pin_nightly.sweep (job, owner) WHERE status = 'open';
+
 -- One row per Airflow run: its result, as the summary task computed it.
 CREATE TABLE IF NOT EXISTS pin_nightly.run_log (
     job         text        NOT NULL,

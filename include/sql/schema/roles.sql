@@ -59,8 +59,8 @@ BEGIN
            OR (job = 'pin_catalog_job' AND to_regnamespace('catalog') IS NULL) THEN
             CONTINUE;
         END IF;
-        IF to_regclass('pin_nightly.news_skipped_post') IS NULL THEN
-            RAISE EXCEPTION 'schema pin_nightly is missing: apply include/sql/schema/pin_nightly.sql first';
+        IF to_regclass('pin_nightly.sweep_open_owner') IS NULL THEN
+            RAISE EXCEPTION 'schema pin_nightly is missing or out of date: apply include/sql/schema/pin_nightly.sql first';
         END IF;
         EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), job);
         EXECUTE format('REVOKE ALL ON ALL TABLES IN SCHEMA pin_nightly FROM %I', job);
@@ -69,9 +69,12 @@ BEGIN
         EXECUTE format('GRANT USAGE ON SCHEMA pin_nightly TO %I', job);
         -- lease: acquire (upsert), fence (SELECT ... FOR SHARE), renew, release (DELETE)
         EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.job_lease TO %I', job);
-        -- sweeps, range cursors, run log: created, advanced, closed; never deleted by the job
-        EXECUTE format('GRANT SELECT, INSERT, UPDATE ON pin_nightly.sweep, pin_nightly.sweep_range, '
-                       'pin_nightly.run_log TO %I', job);
+        -- sweeps, range cursors, run log: created, advanced, closed; deleted past their
+        -- retention by the runs themselves
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.sweep, '
+                       'pin_nightly.sweep_range, pin_nightly.run_log TO %I', job);
+        -- rows a batch could not write: recorded, pruned past their retention
+        EXECUTE format('GRANT SELECT, INSERT, DELETE ON pin_nightly.item_error TO %I', job);
         -- fencing tokens and sweep ids
         EXECUTE format('GRANT USAGE ON SEQUENCE pin_nightly.lease_token_seq, '
                        'pin_nightly.sweep_sweep_id_seq TO %I', job);
@@ -85,7 +88,7 @@ BEGIN
         -- the only columns the job writes (and what lets it lock posts FOR UPDATE)
         GRANT UPDATE (comments_count, updated_at) ON news.posts TO pin_news_job;
         -- news-only job state
-        GRANT SELECT, INSERT ON pin_nightly.news_drift TO pin_news_job;
+        GRANT SELECT, INSERT, DELETE ON pin_nightly.news_drift TO pin_news_job;
         -- candidates of finished sweeps are deleted by the run's summary
         GRANT SELECT, INSERT, DELETE ON pin_nightly.news_window_candidate TO pin_news_job;
         GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.news_skipped_post TO pin_news_job;
