@@ -32,7 +32,7 @@ SOAK_EXAMPLES ?= 100
 SOAK_STEPS ?= 20
 soak: setup
 	PIN_MODEL_PROFILE=soak SOAK_EXAMPLES=$(SOAK_EXAMPLES) SOAK_STEPS=$(SOAK_STEPS) \
-		$(BIN)/python -m pytest -p no:randomly tests/test_model.py $(PYTEST_ARGS)
+		$(BIN)/python -m pytest tests/test_model.py $(PYTEST_ARGS)
 
 # ruff: lint rules and formatting as configured in pyproject.toml
 lint: setup

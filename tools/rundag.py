@@ -145,7 +145,8 @@ def clear_and_resume(
 
 
 def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
-    """Run id, state, task states and the summary XCom of a run."""
+    """Run id, logical date, run-after instant, state, task states and the summary XCom of a
+    run."""
     from airflow.models.dagrun import DagRun
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
@@ -163,6 +164,8 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
         ).first()
         return {
             "run_id": dr.run_id,
+            "logical_date": dr.logical_date,
+            "run_after": dr.run_after,
             "state": str(dr.state),
             "tasks": tis,
             "summary": XComModel.deserialize_value(row) if row else None,

@@ -414,8 +414,9 @@ class RangeResult:
 
 
 def superseded(row: dict[str, Any], owner: str) -> str | None:
-    """Why the range of ``range_get`` row is no longer ``owner``'s to work (None: it is)."""
-    if row["owner"] == owner and row["sweep_status"] == "open":
+    """Why the range of ``range_get`` row is no longer ``owner``'s to work (None: it is, or it
+    is done and there is nothing to write)."""
+    if row["status"] == "done" or (row["owner"] == owner and row["sweep_status"] == "open"):
         return None
     return f"superseded by the run {row['superseded_by']} (sweep {row['sweep_status']})"
 
@@ -544,7 +545,11 @@ def run_range(
                 if cur.fetchone() is None:
                     raise RuntimeError(f"range {key} was taken over or closed by someone else")
             wrapped, cursor, upper = True, row["lower_id"], wrap_at
-            log.info("range %s: reached its end, continues from its start to %s", key, upper)
+            log.info(
+                "range %s: reached its end, continues from its start to %s",
+                rng.get("label", key),
+                upper,
+            )
     res.cursor_id = cursor
     if res.status == "done":
         _retry_skipped(conn, key, lease, share, batch, skipped, retry_lock_timeout_ms, res)
