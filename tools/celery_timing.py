@@ -120,7 +120,7 @@ def main() -> int:
             stack = CeleryStack(home, env).start()
             stack.wait_for_dags([NEWS, CATALOG])
             stack.start_worker("warm-up")
-            stack.wait_idle([NEWS, CATALOG])  # the scheduled runs of the latest slots
+            stack.wait_idle([NEWS, CATALOG])
             stack.request(
                 "PATCH",
                 f"/api/v2/pools/{NEWS}?update_mask=slots",
