@@ -251,12 +251,12 @@ def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
     assert_news_exact(db, sweep, drift)
     # what the README's table says a 4-range run costs the jobs' database: one connection per
     # running range (never more than the pool's slots at once); in all acquire_lease 1,
-    # plan_ranges 1, each range 2 one after the other, summarize 2, release_lease 1
+    # plan_ranges 1, each range 1, summarize 2, release_lease 1
     print(f"job sessions opened: {jc.opened}, at most {jc.peak} at once")
     # never more connections at once than the pool's slots (two ranges at once are shown by
     # their run intervals above; sampling may miss the instant both connections are open)
     assert 1 <= jc.peak <= SLOTS
-    assert jc.opened == 1 + 1 + 4 * 2 + 2 + 1
+    assert jc.opened == 1 + 1 + 4 * 1 + 2 + 1
 
 
 def test_a_worker_killed_mid_range_is_retried_on_the_other_worker_from_its_cursor(stack):
@@ -438,17 +438,18 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
     assert f"cursor={po[po.index(cursor) + batch]} " in first, first
     tis = mapped_tis(stack, CATALOG, run_id, "recompute_property_objects")
     assert len(tis) == 4 and {t["hostname"] for t in tis} <= set(nodes)
-    # sessions: acquire_lease 1, a plan per pass 1, each range 2 (4 + 2 ranges), retention 2,
-    # summarize 2, release_lease 1; and 2 more per range attempt lost with its worker
+    # sessions: validate_options 1, acquire_lease 1, a plan per pass 1, each range 1 (4 + 2
+    # ranges), retention 2, summarize 2, release_lease 1; and 1 more per range attempt lost
+    # with its worker
     projects = mapped_tis(stack, CATALOG, run_id, "recompute_projects")
     lost = sum(t["try_number"] - 1 for t in tis + projects)
     print(f"job sessions opened: {jc.opened} ({lost} range attempt(s) lost)")
     assert len(projects) == 2 and lost >= 1
-    base = 2 * (4 + 2) + 8
-    if lost == 1:  # the held range's attempt, which had opened both of its connections
-        assert jc.opened == base + 2
+    base = (4 + 2) + 9
+    if lost == 1:  # the held range's attempt, which had opened its connection
+        assert jc.opened == base + 1
     else:  # another attempt lost with it may have died before connecting
-        assert base + 2 <= jc.opened <= base + 2 * lost
+        assert base + 1 <= jc.opened <= base + lost
     # each card read and snapshotted once (the counters move in the batches' transactions)
     ranges = db.q(
         "SELECT rows_processed, rows_written FROM pin_nightly.sweep_range WHERE sweep_id = %s "

@@ -352,20 +352,21 @@ def run_range_task(
         taken = lease_from_xcom(lease_data)
         if taken is None:
             raise leases.LeaseLost("this run holds no lease; nothing may be written")
+        # one connection for the whole task: the check, the lease, every batch
         with connection(job.conn_id) as conn:
             why = keyset.superseded(keyset.get_range(conn, rng), taken.holder)
-        if why is None:
-            lease = rejoin_lease(job, lease_data)
-            with connection(job.conn_id) as conn, keyset.StopSignal() as stop:
-                res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
-        else:
-            log.warning("range %s: %s; this task writes nothing", rng["label"], why)
-            res = keyset.RangeResult(
-                sweep_id=rng["sweep_id"],
-                range_no=rng["range_no"],
-                status="superseded",
-                superseded_by=why,
-            )
+            if why is None:
+                lease = leases.rejoin(conn, taken)
+                with keyset.StopSignal() as stop:
+                    res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
+            else:
+                log.warning("range %s: %s; this task writes nothing", rng["label"], why)
+                res = keyset.RangeResult(
+                    sweep_id=rng["sweep_id"],
+                    range_no=rng["range_no"],
+                    status="superseded",
+                    superseded_by=why,
+                )
         tracing.set_result(span, _range_result, res)
         log.info(
             "range %s %s: processed=%d changed=%d written=%d batches=%d "
