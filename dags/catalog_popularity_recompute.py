@@ -1,19 +1,4 @@
-"""catalog_popularity_recompute: nightly popularity snapshots and decayed scores (wiring only).
-
-The logic lives in ``plugins/pin_nightly/catalog.py``; SQL in ``include/sql/catalog/``.
 """
-
-from __future__ import annotations
-
-import pendulum
-from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
-
-from pin_nightly import catalog, jobs
-from pin_nightly.deadlines import deadline_alerts
-
-POOL = "catalog_popularity_recompute"
-
-DOC_MD = """
 # catalog_popularity_recompute
 
 Nightly at 03:00 UTC: for every card that is not `Delisted` (property objects first, then
@@ -50,7 +35,20 @@ run with another `window_days` / `half_life_days` works passes of its own, never
 
 Targeted recompute: trigger with `{"card_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
 Full runbook: README.md, section "Runbook".
+
+The logic lives in `plugins/pin_nightly/catalog.py`; SQL in `include/sql/catalog/`.
 """
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
+
+from pin_nightly import catalog, jobs
+from pin_nightly.deadlines import deadline_alerts
+
+POOL = "catalog_popularity_recompute"
+
 
 with DAG(
     dag_id="catalog_popularity_recompute",
@@ -63,7 +61,7 @@ with DAG(
     # SLA: finish within the lease's default TTL of being queued; succeed within
     # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
     deadline=deadline_alerts("catalog_popularity_recompute", catalog.RUN_BUDGET_MINUTES),
-    doc_md=DOC_MD,
+    doc_md=__doc__,  # the runbook in the UI: this module's docstring
     tags=["pin-nightly", "catalog"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
     default_args={

@@ -1,19 +1,4 @@
-"""news_comment_reconcile: nightly recount of news.posts.comments_count (wiring only).
-
-The logic lives in ``plugins/pin_nightly/news.py``; SQL in ``include/sql/news/``.
 """
-
-from __future__ import annotations
-
-import pendulum
-from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
-
-from pin_nightly import jobs, news
-from pin_nightly.deadlines import deadline_alerts
-
-POOL = "news_comment_reconcile"
-
-DOC_MD = """
 # news_comment_reconcile
 
 Recounts `news.posts.comments_count` from the `Visible` comments and corrects the drift the
@@ -48,7 +33,20 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
 
 Targeted repair: trigger with `{"post_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
 Full runbook: README.md, section "Runbook".
+
+The logic lives in `plugins/pin_nightly/news.py`; SQL in `include/sql/news/`.
 """
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
+
+from pin_nightly import jobs, news
+from pin_nightly.deadlines import deadline_alerts
+
+POOL = "news_comment_reconcile"
+
 
 with DAG(
     dag_id="news_comment_reconcile",
@@ -61,7 +59,7 @@ with DAG(
     # SLA: finish within the lease's default TTL of being queued; succeed within
     # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
     deadline=deadline_alerts("news_comment_reconcile", news.RUN_BUDGET_MINUTES),
-    doc_md=DOC_MD,
+    doc_md=__doc__,  # the runbook in the UI: this module's docstring
     tags=["pin-nightly", "news"],
     # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
     # retried reconcile_range resumes from its cursor.

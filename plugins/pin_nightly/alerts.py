@@ -102,17 +102,6 @@ def notify(kind: str, payload: dict[str, Any]) -> bool:
     return True
 
 
-def _current_run_state() -> str | None:
-    """State of the run of the task being executed (``running`` while its tasks run)."""
-    try:
-        from airflow.sdk import get_current_context
-
-        state = getattr(get_current_context().get("dag_run"), "state", None)
-    except Exception:  # noqa: BLE001 - outside a task there is no current run
-        return None
-    return None if state is None else str(getattr(state, "value", state))
-
-
 def drift_alert(dag_id: str, run_id: str, result: dict[str, Any], threshold: int) -> None:
     """Called by the news summary, inside the run, when it corrected more than ``threshold``."""
     from airflow.sdk.configuration import conf
@@ -138,7 +127,7 @@ def drift_alert(dag_id: str, run_id: str, result: dict[str, Any], threshold: int
                 description,
                 dag_id,
                 run_id,
-                _current_run_state(),
+                "running",  # sent by the run's own summary task
                 base_url(conf),
             ),
             "drift_corrected": corrected,
