@@ -1,4 +1,4 @@
-# pin-nightly: make demo | make test   (see README.md)
+# pin-nightly: make demo | make test | make test-all   (see README.md)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -6,7 +6,7 @@ DEPS   := requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 STAMP  := $(VENV)/.installed-$(shell cat $(DEPS) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test soak lint airflow bench bench-growth constraints clean stop
+.PHONY: setup demo test test-all soak lint airflow bench bench-growth constraints clean stop
 
 # The development venv: runtime and development dependencies pinned by constraints.txt, and
 # the job package (plugins/pin_nightly) installed editable.
@@ -22,8 +22,18 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m tools.demo
 
+# make test: everything but the real-stack modules and the exhaustive fault matrix, on
+# TEST_WORKERS pytest-xdist workers (tests of one xdist_group share a worker). make test-all adds
+# them: the rest of the fault matrix on the workers, then the stacks one at a time (each starts
+# several Airflow processes of its own).
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive" $(PYTEST_ARGS)
+
+test-all: test
+	$(BIN)/python -m pytest $(XDIST) -m exhaustive $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m stack $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS
 # operations each, random (a failure is shrunk to a short sequence and printed with a blob that

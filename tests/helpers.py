@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 import random
 import threading
 import time
@@ -405,15 +404,15 @@ class Webhook:
 def stack_databases(name: str) -> tuple[str, str, str, dict[str, str]]:
     """Fresh databases for a stack test ``name``: news and catalog (with their domain tables)
     and Airflow's metadata, and the environment of the two job connections."""
+    from tests.conftest import SUFFIX
     from tools import devenv
     from tools.datagen import create_catalog_schema, create_news_schema
 
-    suffix = os.environ.get("PIN_TEST_ID", "")
-    news_dsn = devenv.recreate_database(f"pin_{name}_news{suffix}")
+    news_dsn = devenv.recreate_database(f"pin_{name}_news{SUFFIX}")
     create_news_schema(news_dsn)
-    catalog_dsn = devenv.recreate_database(f"pin_{name}_catalog{suffix}")
+    catalog_dsn = devenv.recreate_database(f"pin_{name}_catalog{SUFFIX}")
     create_catalog_schema(catalog_dsn)
-    metadata_dsn = devenv.recreate_database(f"pin_{name}_airflow{suffix}")
+    metadata_dsn = devenv.recreate_database(f"pin_{name}_airflow{SUFFIX}")
     conns = {
         "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
         "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),

@@ -43,6 +43,8 @@ if CHROMIUM is None:
         "chromium; .ci/run installs it when CI=true)"
     )
 
+pytestmark = pytest.mark.stack  # real Airflow components: make test-all
+
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 USER = "admin"
 ARTIFACTS = devenv.REPO / "test-artifacts" / "browser"

@@ -12,26 +12,16 @@ from decimal import Decimal
 
 import psycopg
 
+from tests.helpers import assert_ok, night, when
 from tests.helpers import reference_popularity_score as reference_score
-from tests.helpers import when
 from tools.rundag import run_dag
 
 DAG = "catalog_popularity_recompute"
 D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
 
 
-def night(d: date) -> datetime:
-    """The logical date of the scheduled run for as_of_date ``d`` (03:00 UTC)."""
-    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
-
-
 def run(conf=None, as_of: date = D, **kw):
     return run_dag(DAG, conf, logical_date=night(as_of), **kw)
-
-
-def assert_ok(r):
-    assert r["state"] == "success", r["tasks"]
-    return r["summary"]
 
 
 def test_empty_catalog_is_a_noop_success(catalog_db):

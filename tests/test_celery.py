@@ -43,6 +43,8 @@ if REDIS_SERVER is None:
         "(apt-get install redis-server; .ci/run installs it when CI=true)"
     )
 
+pytestmark = pytest.mark.stack  # real Airflow components: make test-all
+
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 SLOTS = 2  # each job's pool, for this module
 CONCURRENCY = 1  # each worker's

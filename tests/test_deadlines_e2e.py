@@ -28,6 +28,8 @@ from tests.conftest import SUFFIX
 from tools import devenv
 from tools.stack import Stack, free_port, stack_env
 
+pytestmark = pytest.mark.stack  # real Airflow components: make test-all
+
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 # From the clock start (the components' launch) to the no_success_26h deadlines of both scheduled
 # runs: the components must start and the scheduled news run fail before it. That took 30-35 s on

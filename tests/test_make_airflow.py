@@ -18,6 +18,8 @@ import pytest
 from tools.devenv import REPO
 from tools.stack import free_port
 
+pytestmark = pytest.mark.stack  # real Airflow components: make test-all
+
 PIDFILE = REPO / ".airflow" / "standalone.pid"
 PLAIN_PATH = os.pathsep.join(p for p in ("/usr/local/bin", "/usr/bin", "/bin") if Path(p).is_dir())
 

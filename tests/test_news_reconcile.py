@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
-from tests.helpers import when
-from tools.rundag import run_dag
+from tests.helpers import assert_ok, when
+from tools.rundag import run_count, run_dag
 
 DAG = "news_comment_reconcile"
 FULL = {"scope": "FullSweep"}
@@ -18,11 +18,6 @@ FULL = {"scope": "FullSweep"}
 
 def run(conf=None, **kw):
     return run_dag(DAG, conf, **kw)
-
-
-def assert_ok(r):
-    assert r["state"] == "success", r["tasks"]
-    return r["summary"]
 
 
 def test_empty_database_is_a_noop_success(news_db):
@@ -385,17 +380,24 @@ BAD_SCHEMA_CONF = [
 
 
 @pytest.mark.parametrize("conf,param", BAD_SCHEMA_CONF, ids=[p for _, p in BAD_SCHEMA_CONF])
-def test_invalid_conf_creates_no_run(news_db, conf, param):
-    from airflow.models.dagrun import DagRun
+def test_invalid_conf_is_refused_by_the_params_schema(scheduler_dag, conf, param):
     from airflow.sdk.definitions.param import ParamValidationError
-    from airflow.utils.session import create_session
 
-    with create_session() as session:
-        before = session.query(DagRun).filter(DagRun.dag_id == DAG).count()
+    params = scheduler_dag(DAG).params
+    assert params.deep_merge({}).validate()["scope"] == "auto"  # the defaults pass
+    with pytest.raises(ParamValidationError, match=param):
+        params.deep_merge(conf).validate()
+
+
+def test_invalid_conf_creates_no_run(news_db):
+    """End to end, one case: Airflow refuses the run before it creates it."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    conf, param = BAD_SCHEMA_CONF[0]
+    before = run_count(DAG)
     with pytest.raises(ParamValidationError, match=param):
         run(conf)
-    with create_session() as session:
-        assert session.query(DagRun).filter(DagRun.dag_id == DAG).count() == before
+    assert run_count(DAG) == before
 
 
 @pytest.mark.parametrize(

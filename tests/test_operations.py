@@ -19,6 +19,8 @@ from tests.conftest import SUFFIX
 from tools import devenv
 from tools.stack import Stack, free_port, stack_env
 
+pytestmark = pytest.mark.stack  # real Airflow components: make test-all
+
 NEWS, CATALOG = "news_comment_reconcile", "catalog_popularity_recompute"
 
 

@@ -30,10 +30,12 @@ import pytest
 
 from tests.helpers import (
     ADVISORY_KEY,
+    assert_ok,
     bulk_posts,
     gate_waiter,
     install_gate,
     new_id,
+    night,
     post_offsets,
     reference_popularity_score,
     remove_gate,
@@ -42,7 +44,7 @@ from tests.helpers import (
 )
 from tools.devenv import airflow_connection, run_sql_file
 from tools.hotpath import HotPathProcess
-from tools.rundag import run_dag
+from tools.rundag import return_values, run_count, run_dag
 
 NEWS = "news_comment_reconcile"
 CATALOG = "catalog_popularity_recompute"
@@ -51,29 +53,13 @@ D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs 
 NEWS_KEY = "Pin:lock:job:scheduled:news-comment-reconcile"
 
 
-def night(d: date) -> datetime:
-    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
-
-
-def assert_ok(r):
-    assert r["state"] == "success", r["tasks"]
-    return r["summary"]
-
-
 def report(name: str, **figures) -> None:
     print(f"\n[figures] {name}: " + json.dumps(figures, default=str))
 
 
 def range_results(dag_id: str, run_id: str, task_id: str) -> list[dict]:
     """The return values of the mapped range tasks of a run."""
-    from airflow.models.xcom import XComModel
-    from airflow.utils.session import create_session
-
-    with create_session() as session:
-        rows = session.scalars(
-            XComModel.get_many(run_id=run_id, dag_ids=dag_id, task_ids=task_id, key="return_value")
-        ).all()
-        return [XComModel.deserialize_value(r) for r in rows]
+    return return_values(dag_id, run_id, task_id)
 
 
 def _logs(capfd, caplog) -> str:
@@ -748,17 +734,24 @@ BAD_CATALOG_SCHEMA = [
 @pytest.mark.parametrize(
     "conf,param", BAD_CATALOG_SCHEMA, ids=[f"{p}={c[p]!r}" for c, p in BAD_CATALOG_SCHEMA]
 )
-def test_catalog_invalid_conf_creates_no_run(catalog_db, conf, param):
-    from airflow.models.dagrun import DagRun
+def test_catalog_invalid_conf_is_refused_by_the_params_schema(scheduler_dag, conf, param):
     from airflow.sdk.definitions.param import ParamValidationError
-    from airflow.utils.session import create_session
 
-    with create_session() as session:
-        before = session.query(DagRun).filter(DagRun.dag_id == CATALOG).count()
+    params = scheduler_dag(CATALOG).params
+    assert params.deep_merge({}).validate()["window_days"] == 30  # the defaults pass
+    with pytest.raises(ParamValidationError, match=param):
+        params.deep_merge(conf).validate()
+
+
+def test_catalog_invalid_conf_creates_no_run(catalog_db):
+    """End to end, one case: Airflow refuses the run before it creates it."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    conf, param = BAD_CATALOG_SCHEMA[0]
+    before = run_count(CATALOG)
     with pytest.raises(ParamValidationError, match=param):
         run_dag(CATALOG, conf)
-    with create_session() as session:
-        assert session.query(DagRun).filter(DagRun.dag_id == CATALOG).count() == before
+    assert run_count(CATALOG) == before
 
 
 BAD_OPTIONS = [

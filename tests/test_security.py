@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -19,21 +18,16 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from tests import conftest
+from tests.helpers import assert_ok, night
 from tools.devenv import REPO, admin_dsn, airflow_connection, run_sql_file
 from tools.rundag import run_dag
 
 D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
-SUFFIX = re.sub(r"\W", "_", os.environ.get("PIN_TEST_ID", "")).lower()
+SUFFIX = re.sub(r"\W", "_", conftest.SUFFIX).lower()
 INSUFFICIENT_PRIVILEGE = "42501"
-
-
-def night(d: date) -> datetime:
-    return datetime(d.year, d.month, d.day, 3, 0, tzinfo=UTC)
-
-
-def assert_ok(r):
-    assert r["state"] == "success", r["tasks"]
-    return r["summary"]
+# the group roles are cluster-wide: one worker creates and drops them
+pytestmark = pytest.mark.xdist_group("roles")
 
 
 def _login_role(group: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from pin_nightly import catalog, jobs, keyset, news
 from pin_nightly.db import JobConfigError
+from tools import rundag
 
 # 2026-11-29 is a Sunday; 03:00 in Moscow is 00:00 UTC.
 SUNDAY_NIGHT = datetime(2026, 11, 29, 0, 0, tzinfo=UTC)
@@ -99,3 +100,16 @@ def test_emitters_refuse_undeclared_metrics(emit):
 
     with pytest.raises(metrics.UnknownMetric):
         emit(metrics)
+
+
+@pytest.mark.parametrize("name", rundag.AIRFLOW_INTERNALS)
+def test_the_airflow_internals_the_harness_uses_are_there(name):
+    """tools/rundag.py drives dag.test(), clears and the metadata database through these;
+    after an Airflow upgrade this names the one that moved."""
+    import importlib
+
+    module, _, path = name.partition(":")
+    obj = importlib.import_module(module)
+    for attr in path.split("."):
+        assert hasattr(obj, attr), f"{name}: Airflow no longer has {attr!r} (tools/rundag.py)"
+        obj = getattr(obj, attr)

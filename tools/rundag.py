@@ -2,6 +2,9 @@
 
 A fresh DagBag parses the DAG file for every run (``dag.test()`` keeps state on the DAG object
 between calls).
+
+This module is the one place that knows the Airflow internals the tests and the demo use
+(:data:`AIRFLOW_INTERNALS`; ``tests/test_units.py`` fails naming the one an upgrade moved).
 """
 
 from __future__ import annotations
@@ -13,6 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from tools.devenv import REPO
+
+# Airflow internals (not its public API) used here, as "module:attribute"
+AIRFLOW_INTERNALS = (
+    "airflow.dag_processing.dagbag:DagBag",
+    "airflow.models.dagrun:DagRun.generate_run_id",
+    "airflow.models.dagrun:DagRun.update_state",
+    "airflow.models.xcom:XComModel.get_many",
+    "airflow.models.xcom:XComModel.deserialize_value",
+    "airflow.sdk.definitions.dag:_run_task",
+    "airflow.serialization.definitions.dag:SerializedDAG.create_dagrun",
+    "airflow.serialization.definitions.dag:SerializedDAG.clear",
+    "airflow.serialization.serialized_objects:DagSerialization.serialize_dag",
+    "airflow.serialization.serialized_objects:DagSerialization.deserialize_dag",
+    "airflow.utils.session:create_session",
+    "airflow.utils.state:DagRunState",
+    "airflow.utils.state:TaskInstanceState",
+    "airflow.utils.types:DagRunType.from_run_id",
+)
 
 
 def load_dag(dag_id: str):
@@ -170,6 +191,27 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
             "tasks": tis,
             "summary": XComModel.deserialize_value(row) if row else None,
         }
+
+
+def run_count(dag_id: str) -> int:
+    """How many runs of the DAG the metadata database holds."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        return session.query(DagRun).filter(DagRun.dag_id == dag_id).count()
+
+
+def return_values(dag_id: str, run_id: str, task_id: str) -> list[Any]:
+    """The return values of a task of a run (one per mapped task instance)."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        rows = session.scalars(
+            XComModel.get_many(run_id=run_id, dag_ids=dag_id, task_ids=task_id, key="return_value")
+        ).all()
+        return [XComModel.deserialize_value(r) for r in rows]
 
 
 def main(argv: list[str] | None = None) -> None:
