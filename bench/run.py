@@ -157,6 +157,7 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
         "popularity_1": ("catalog", lambda: runners.run_catalog(pools["catalog"][1], 1)),
     }
     windows: dict[str, list] = {k: [] for k in phases}
+    statements: dict[str, list] = {k: [] for k in phases}  # per command of the scripts, avg ms
     runs: dict[str, list] = {k: [] for k, (job, _) in phases.items() if job}
     gates = []
     for rep in range(args.reps):
@@ -168,13 +169,18 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
                 data.reset_news(dsns["news"])
             elif job:
                 data.reset_catalog(dsns["catalog"])
+            hp = runners.HotPath(dsns, args.rate)
             gates.append(wait_quiet(max_wait=QUIET_WAIT[0]))
-            with runners.HotPath(dsns["news"], dsns["catalog"], args.rate) as hp:
+            with hp:
                 t0 = time.time()
                 r = fn()
                 t1 = time.time()
-            recs = {k: [x for x in v if t0 <= x[0] <= t1] for k, v in hp.records.items()}
+            for kind, res in hp.results.items():
+                if res.failures:
+                    log.warning("hot path %s during %s: %s", kind, item, res.failures[:3])
+            recs = {k: (res.between(t0, t1), res.aborted) for k, res in hp.results.items()}
             windows[item].append((recs, hp.lock_waits))
+            statements[item].append({k: res.statements for k, res in hp.results.items()})
             if job:
                 runs[item].append({k: r[k] for k in ("seconds", "rows", "changed", "batch_ms")})
                 log.info("hot path during %s rep %d: %.1f s", item, rep + 1, r["seconds"])
@@ -182,10 +188,13 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
             data.restore_views(dsns["catalog"])
     data.reset_catalog(dsns["catalog"], views=True)
     out = {"rate": args.rate, "idle_s": IDLE_S, "latency": {}, "runs": runs, "gates": gates}
+    out["statements"] = statements
     for item, ws in windows.items():
         out["latency"][item] = {
             kind: runners.latency(
-                [x for recs, _ in ws for x in recs[kind]], [ms for _, w in ws for ms in w[kind]]
+                [x for recs, _ in ws for x in recs[kind][0]],
+                [ms for _, w in ws for ms in w[kind]],
+                sum(recs[kind][1] for recs, _ in ws),
             )
             for kind in ("news", "catalog")
         }

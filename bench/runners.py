@@ -21,8 +21,11 @@ from datetime import UTC, datetime, timedelta
 from datetime import time as dtime
 
 from bench.common import AS_OF, LOGS, REPO
+from tools import pgbench
 
 BIG_BUDGET = {"max_run_duration_minutes": 600, "lock_ttl_minutes": 720}
+# the hot path's sessions log each row-lock wait longer than 5 ms (superuser settings)
+LOCK_LOG = {"log_lock_waits": "on", "deadlock_timeout": "5ms"}
 
 
 def _spawn(args: list[str], log_name: str) -> subprocess.Popen:
@@ -329,19 +332,38 @@ class Footprint:
 
 
 class HotPath:
-    """``tools.hotpath --rate`` in a process of its own: news comment writes with the counter
-    update and catalog view increments, ``rate`` transactions per second each. ``lock_waits``:
-    per kind, the row-lock waits longer than 5 ms (ms) of its connections, from the server's
-    log (read through SQL: the embedded server writes it to ``log`` in its data directory)."""
+    """The hot-path load of ``tools/pgbench.py`` at ``rate`` transactions per second of each
+    kind, one pgbench per database: the news comment writes with the counter update and the
+    catalog view increments, half of them on the 200 newest rows, the others on a sample of
+    the live ones. ``lock_waits``: per kind, the row-lock waits longer than 5 ms (ms) of its
+    connections, from the server's log (read through SQL: the embedded server writes it to
+    ``log`` in its data directory)."""
 
     WAIT = re.compile(r"\[\d+\] LOG:  process (\d+) acquired \S+ on .+ after ([\d.]+) ms")
+    PICK = {  # kind: (script, card table or posts, live rows)
+        "news": (pgbench.NEWS, "news.posts", "status IS DISTINCT FROM 'Archived'"),
+        "catalog": (
+            pgbench.VIEWS,
+            "catalog.property_object_cards",
+            "status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0",
+        ),
+    }
 
-    def __init__(self, news_dsn: str, catalog_dsn: str, rate: float) -> None:
+    def __init__(self, dsns: dict[str, str], rate: float) -> None:
         import psycopg
 
-        self.args = ["tools.hotpath", "--dsn", news_dsn, "--catalog-dsn", catalog_dsn]
-        self.args += ["--rate", str(rate)]
-        self.conn = psycopg.connect(news_dsn, autocommit=True)
+        self.load = {}
+        for kind, dsn in dsns.items():
+            script, table, live = self.PICK[kind]
+            newest = f"SELECT id FROM {table} WHERE {live} ORDER BY id DESC LIMIT 200"
+            sampled = f"SELECT id FROM {table} TABLESAMPLE SYSTEM (5) REPEATABLE (1) WHERE {live}"
+            with psycopg.connect(dsn) as conn:
+                hot = [r[0] for r in conn.execute(newest)]
+                sample = [r[0] for r in conn.execute(sampled + " LIMIT 20000")] or hot
+            self.load[kind] = pgbench.PgBench(
+                dsn, script, sample, hot, clients=3, rate=rate, seconds=7200, settings=LOCK_LOG
+            )
+        self.conn = psycopg.connect(dsns["news"], autocommit=True)
         path = self.conn.execute("SELECT coalesce(pg_current_logfile('stderr'), 'log')")
         self.log = path.fetchone()[0]
 
@@ -350,34 +372,36 @@ class HotPath:
 
     def __enter__(self) -> HotPath:
         self.log_start = self._log_size()
-        self.proc = _spawn(self.args, "hotpath.log")
         self.started = time.time()
-        time.sleep(2.0)  # connected and at its rate
+        for load in self.load.values():
+            load.start()
+        time.sleep(2.0)  # at its rate
         return self
 
     def __exit__(self, *exc) -> None:
         time.sleep(0.5)
-        out, _ = self.proc.communicate(timeout=120)
-        self.records = json.loads(out.strip().splitlines()[-1])
-        pids = self.records.pop("pids")
+        self.results = {kind: load.stop() for kind, load in self.load.items()}
         text = self.conn.execute(
             "SELECT pg_read_binary_file(%s, %s, %s)",
             (self.log, self.log_start, self._log_size() - self.log_start),
         ).fetchone()[0]
         waits = [(int(p), float(ms)) for p, ms in self.WAIT.findall(text.decode(errors="replace"))]
-        self.lock_waits = {k: [ms for p, ms in waits if p in set(v)] for k, v in pids.items()}
+        self.lock_waits = {
+            kind: [ms for p, ms in waits if p in load.pids] for kind, load in self.load.items()
+        }
         self.conn.close()
 
 
-def latency(records: list, lock_waits: list) -> dict:
-    """Count, failures, latency p50 / p99 / max (ms, from the scheduled start) of the
-    transactions, and the longest row-lock wait the server logged (ms; 0 if none > 5 ms)."""
+def latency(records: list, lock_waits: list, aborted: int = 0) -> dict:
+    """Count, failures (and clients aborted), latency p50 / p99 / max (ms, from the scheduled
+    start) of the transactions, and the longest row-lock wait the server logged (ms; 0 if none
+    > 5 ms)."""
     from bench.common import pct
 
-    ok = [r[1] for r in records if r[1] >= 0]
+    ok = [ms for _, ms in records if ms is not None]
     return {
         "n": len(records),
-        "failures": len(records) - len(ok),
+        "failures": len(records) - len(ok) + aborted,
         "p50": pct(ok, 50),
         "p99": pct(ok, 99),
         "max": max(ok, default=None),

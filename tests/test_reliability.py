@@ -1,7 +1,7 @@
 """Reliability on a real PostgreSQL: concurrent load, faults, bad input and bad data.
 
-- concurrent load: the news hot path (tools/hotpath.py) and the catalog view consumer write
-  while a run goes through Airflow; nothing the job writes may be torn or lost;
+- concurrent load: the news hot path and the catalog view consumer (pgbench,
+  tools/pgbench.py) write while a run goes through Airflow; nothing may be torn or lost;
 - faults: a worker SIGKILLed mid-batch, its connection terminated mid-batch, its lease taken
   over while it still runs, a missing connection / database / table / column / index;
 - bad input (params) and bad data (orphans, counter resets, duplicates).
@@ -42,8 +42,8 @@ from tests.helpers import (
     wait_for,
     when,
 )
+from tools import pgbench
 from tools.devenv import airflow_connection, run_sql_file
-from tools.hotpath import HotPathProcess
 from tools.rundag import return_values, run_count, run_dag
 
 NEWS = "news_comment_reconcile"
@@ -71,32 +71,29 @@ def _logs(capfd, caplog) -> str:
 
 
 def test_news_full_sweep_under_hot_path_load(news_db):
-    """A FullSweep (batches of 50 over 3000 posts) while 6 hot-path threads create and remove
-    comments as fast as they can (tools/hotpath.py, in a process of its own), three quarters of
-    them on 8 hot posts. Afterwards every post's drift is exactly what it must be: 0 for every
-    post that was correct (the hot path wrote many of them during the run) and for every
-    drifted post the run reconciled; the injected offset, unchanged, for a post left
-    skipped-locked. The job recorded exactly the injected drift of the posts it corrected: a
-    count taken from a snapshot older than the row locks would show up as a correction of a
-    correct post or an off-by-one correction. (Checked by mutation: without the
-    row locks of the posts that look drifted, a lost or doubled hot-path update failed this test
-    in 5 tries out of 10; the deterministic case of that race, a hot-path transaction holding a
-    drifted post, is test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost.)"""
+    """A FullSweep (batches of 50 over 3000 posts) while the news hot path creates and hides
+    comments as fast as it can on 6 connections (pgbench), three quarters of them on 8 hot posts.
+    Afterwards every post's drift is exactly what it must be: 0 for every post that was correct (the
+    hot path wrote many of them during the run) and for every drifted post the run reconciled; the
+    injected offset, unchanged, for a post left skipped-locked. The job recorded exactly the
+    injected drift of the posts it corrected: a count taken from a snapshot older than the row locks
+    would show up as a correction of a correct post or an off-by-one correction. (Checked by
+    mutation: without the row locks of the posts that look drifted, a lost or doubled hot-path
+    update failed this test in 5 tries out of 10; the deterministic case of that race, a hot-path
+    transaction holding a drifted post, is
+    test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost.)"""
     rnd = random.Random(20261130)
     ids, drift = bulk_posts(news_db, 3000, rnd, drift_share=0.05)
     assert post_offsets(news_db) == {p: drift.get(p, 0) for p in ids}
     correct = [p for p in ids if p not in drift]
     hot = rnd.sample(correct, 4) + rnd.sample(sorted(drift), 4)
-    # in a process of its own: the simulated service does not share the GIL with Airflow
-    hp = HotPathProcess(news_db.dsn, ids, hot, threads=6, hot_share=0.75, seed=7).start()
-    try:
-        wait_for(lambda: hp.committed() > 200, timeout=30, what="hot path warm-up")
+    with pgbench.PgBench(news_db.dsn, pgbench.NEWS, ids, hot, hot_share=0.75, clients=6) as hp:
+        time.sleep(1)
         t0 = time.time()
         r = run_dag(NEWS, {**FULL, "batch_size": 50})
         t1 = time.time()
         time.sleep(0.2)
-    finally:
-        stats = hp.stop(timeout=30)
+    stats = hp.result
     s = assert_ok(r)
     assert stats.failures == [], stats.failures[:5]
     assert stats.committed > 0
@@ -125,9 +122,16 @@ def test_news_full_sweep_under_hot_path_load(news_db):
         "       extract(epoch FROM (SELECT max(updated_at) FROM pin_nightly.sweep_range))::float8 "
         "  FROM pin_nightly.run_log l"
     )[0]
-    during_sweep = stats.committed_between(start, end)
+    during_sweep = len(stats.between(start, end))
     assert during_sweep > 0
-    assert set(hot) <= stats.touched and stats.touched & drift.keys()
+    touched = {
+        p
+        for [p] in news_db.q(
+            "SELECT DISTINCT post_id::text FROM news.comments WHERE created_at >= to_timestamp(%s)",
+            hp.started,
+        )
+    }
+    assert set(hot) <= touched and touched & drift.keys()
     ranges = range_results(NEWS, r["run_id"], "reconcile_range")
     assert sum(x["processed"] for x in ranges) == s["posts_reconciled"]
     retried = sum(x["retried"] for x in ranges)  # skipped in their batch, taken at the range end
@@ -140,13 +144,14 @@ def test_news_full_sweep_under_hot_path_load(news_db):
         run_ms=s["duration_ms"],
         sweep_s=round(end - start, 2),
         dag_test_s=round(t1 - t0, 2),
-        hot_path_tx_during_dag_test=stats.committed_between(t0, t1),
+        hot_path_tx_during_dag_test=len(stats.between(t0, t1)),
         hot_path_tx_during_batches=during_sweep,
-        hot_path_tps=round(stats.tps),
-        hot_path_failures=len(stats.failures),
-        hot_path_waits_over_5ms=stats.waits,
-        hot_path_max_counter_update_ms=round(stats.max_counter_update_ms, 1),
-        posts_touched=len(stats.touched),
+        hot_path_tps=round(stats.committed / stats.elapsed_s),
+        hot_path_max_tx_ms=max(ms for _, ms in stats.tx),
+        hot_path_counter_update_avg_ms=[
+            ms for sql, ms in stats.statements.items() if sql.startswith("UPDATE news.posts")
+        ],
+        posts_touched=len(touched),
         skipped_then_retried=retried,
         skipped_locked=s["posts_skipped_locked"],
         drift_corrected=s["drift_corrected"],
@@ -171,9 +176,9 @@ def _views(db) -> dict[str, int]:
 
 
 def test_catalog_run_under_concurrent_view_consumers(catalog_db):
-    """4 consumer threads increment popularity_views (autocommit, as the consumer does) on
-    1000 cards, half the increments on 6 hot cards, during a run in batches of 20. Each card's
-    snapshot of the date is a value its counter really had during the run, its score is the
+    """4 consumer connections (pgbench) increment popularity_views (autocommit, as the consumer
+    does) on 1000 cards, half the increments on 6 hot cards, during a run in batches of 20. Each
+    card's snapshot of the date is a value its counter really had during the run, its score is the
     formula over that snapshot, and no increment is lost. Re-running the date with the consumers
     stopped snapshots the settled counters and gives exactly the independent computation."""
     from tools.datagen import copy_rows
@@ -211,41 +216,16 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
     ids = list(cards)
     hot = rnd.sample(ids, 6)
     before = _views(catalog_db)
-    stop, counts, errors = threading.Event(), [0] * 4, []
-
-    def consumer(i: int):
-        r = random.Random(i)
-        try:
-            with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
-                while not stop.is_set():
-                    cid = r.choice(hot) if r.random() < 0.5 else r.choice(ids)
-                    cur = conn.execute(
-                        f"UPDATE {CARD_TABLES[cards[cid]]} SET popularity_views "
-                        "= popularity_views + 1 WHERE id = %s",
-                        (cid,),
-                    )
-                    counts[i] += cur.rowcount
-        except Exception as exc:  # noqa: BLE001
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=consumer, args=(i,), daemon=True) for i in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: sum(counts) > 100, timeout=30, what="consumers warm-up")
-        in_run = sum(counts)
+    with pgbench.PgBench(catalog_db.dsn, pgbench.VIEWS, ids, hot, clients=4) as consumers:
+        time.sleep(1)
         t0 = time.time()
         r = run_dag(CATALOG, {"batch_size": 20}, logical_date=night(D))
         t1 = time.time()
-        in_run = sum(counts) - in_run
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
+    views = consumers.result
     s = assert_ok(r)
-    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert views.failures == [] and views.committed > 0
     after = _views(catalog_db)
-    assert sum(after.values()) - sum(before.values()) == sum(counts)  # no increment lost
+    assert sum(after.values()) - sum(before.values()) == views.committed  # no increment lost
     today = dict(
         catalog_db.q(
             "SELECT card_id::text, cumulative_views FROM "
@@ -289,8 +269,8 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
         batch_size=20,
         run_ms=s["duration_ms"],
         dag_test_s=round(t1 - t0, 2),
-        consumer_increments_during_run=in_run,
-        increments_total=sum(counts),
+        consumer_increments_during_run=len(views.between(t0, t1)),
+        increments_total=views.committed,
         cards_whose_counter_moved_after_their_snapshot=moved,
         skipped_locked=skipped,
         rerun_cards_updated=s2["property_object_cards_updated"] + s2["project_cards_updated"],
