@@ -24,7 +24,7 @@ METADATA = (
     if _SHM.is_dir() and os.access(_SHM, os.W_OK)
     else TEST_HOME / "airflow.db"
 )
-METADATA.unlink(missing_ok=True)
+devenv.drop_sqlite(METADATA)
 devenv.apply_airflow_env(TEST_HOME, METADATA)
 
 import psycopg  # noqa: E402
@@ -37,7 +37,7 @@ from tests import helpers  # noqa: E402
 def airflow_home():
     devenv.init_airflow(TEST_HOME, METADATA)
     yield TEST_HOME
-    METADATA.unlink(missing_ok=True)
+    devenv.drop_sqlite(METADATA)
 
 
 @pytest.fixture(scope="session")

@@ -143,16 +143,24 @@ def init_airflow(home: Path | None = None, metadata: Path | None = None) -> None
     """Apply the Airflow environment of ``home`` (see :func:`airflow_env`) and give it a
     migrated metadata database with the pools of ``pools.json``: a copy of
     :func:`_metadata_template`, or the existing one with its pools brought up to date."""
-    import shutil
+    import sqlite3
 
     env = apply_airflow_env(home, metadata)
     home = Path(env["AIRFLOW_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     db = metadata or home / "airflow.db"
     if not db.exists():
-        shutil.copyfile(_metadata_template(), db)
+        drop_sqlite(db)  # a write-ahead log left beside it would be replayed into the copy
+        with sqlite3.connect(_metadata_template()) as src, sqlite3.connect(db) as dst:
+            src.backup(dst)
     else:
         airflow_cli("pools", "import", str(REPO / "pools.json"))
+
+
+def drop_sqlite(db: Path) -> None:
+    """Delete a SQLite database with its write-ahead log and shared-memory files."""
+    for path in (db, *(db.with_name(db.name + s) for s in ("-wal", "-shm", "-journal"))):
+        path.unlink(missing_ok=True)
 
 
 def run_sql_file(dsn: str, relpath: str) -> None:
