@@ -96,6 +96,62 @@ def _open_hot_path_comment(db, pid: str):
     return hot_path
 
 
+def test_child_rows_referencing_the_locked_posts_are_inserted_without_waiting(news_db):
+    """The batch locks its posts FOR NO KEY UPDATE (it changes no key): an insert into a table
+    that references news.posts by foreign key takes FOR KEY SHARE on the post, which FOR
+    UPDATE would block until the batch commits. Here a batch of 10 drifted posts is held in
+    flight (a trigger waits on the 6th post's update for an advisory lock the test holds):
+    every post is locked (FOR UPDATE NOWAIT fails on each), yet a like of each post is
+    inserted at once."""
+    import threading
+    import time
+
+    from tests.helpers import ADVISORY_KEY, gate_waiter, install_gate, wait_for
+
+    news_db.q(
+        "CREATE TABLE news.post_likes (id bigserial PRIMARY KEY, "
+        "post_id uuid NOT NULL REFERENCES news.posts (id))"
+    )
+    ids = news_db.posts(10, drift_every=1)
+    install_gate(news_db, "news.posts", ids[5])
+    gate = psycopg.connect(news_db.dsn, autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+    seen: dict = {"locked": [], "insert_s": [], "error": None}
+
+    def while_the_batch_holds_its_locks():
+        try:
+            wait_for(lambda: gate_waiter(news_db), timeout=120, what="the batch at the gate")
+            with psycopg.connect(news_db.dsn, autocommit=True) as conn:
+                conn.execute("SET lock_timeout = '3s'")
+                for p in ids:
+                    try:
+                        conn.execute(
+                            "SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE NOWAIT", (p,)
+                        )
+                    except psycopg.errors.LockNotAvailable:
+                        seen["locked"].append(p)
+                    t0 = time.monotonic()
+                    conn.execute("INSERT INTO news.post_likes (post_id) VALUES (%s)", (p,))
+                    seen["insert_s"].append(time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            seen["error"] = repr(exc)
+        finally:
+            gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))
+
+    t = threading.Thread(target=while_the_batch_holds_its_locks)
+    t.start()
+    try:
+        s = assert_ok(run({**FULL, "batch_size": 10, "max_ranges": 1}))
+    finally:
+        t.join(150)
+        gate.close()
+    assert seen["error"] is None, seen["error"]
+    assert seen["locked"] == ids  # the batch held every post's row lock during the inserts
+    assert len(seen["insert_s"]) == 10 and max(seen["insert_s"]) < 1, seen["insert_s"]
+    assert news_db.one("SELECT count(*) FROM news.post_likes") == 10
+    assert s["drift_corrected"] == 10 and news_db.drifted_posts() == 0
+
+
 def test_locked_post_is_skipped_and_the_hot_path_increment_is_not_lost(news_db):
     hot = news_db.post(count=5, visible=3)  # drifted, and about to be written by the hot path
     other = news_db.post(count=7, visible=1)

@@ -1,9 +1,9 @@
 """catalog_popularity_recompute: daily snapshots of the cumulative view counters of catalog
 cards and a 30-day exponentially decayed ``popularity_score`` computed from their deltas.
 
-Each batch is one transaction: lock the batch's cards ``FOR UPDATE SKIP LOCKED``; upsert today's
-snapshot of each counter; compute the batch's scores from the snapshots in the window in one
-query; write ``popularity_score`` and ``updated_at`` only where the score changes.
+Each batch is one transaction: lock the batch's cards ``FOR NO KEY UPDATE SKIP LOCKED``; upsert
+today's snapshot of each counter; compute the batch's scores from the snapshots in the window in
+one query; write ``popularity_score`` and ``updated_at`` only where the score changes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """news_comment_reconcile: recount ``news.posts.comments_count`` from the visible comments.
 
 Each batch is one transaction: read the range's next posts and check their counters against
-their visible comments; lock the posts that look drifted ``FOR UPDATE SKIP LOCKED``; recount
-those in a second statement (its snapshot is taken after the locks are held), correct the ones
-that are drifted and record each correction; advance the range cursor.
+their visible comments; lock the posts that look drifted ``FOR NO KEY UPDATE SKIP LOCKED``;
+recount those in a second statement (its snapshot is taken after the locks are held), correct the
+ones that are drifted and record each correction; advance the range cursor.
 """
 
 from __future__ import annotations

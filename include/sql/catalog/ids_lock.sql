@@ -4,4 +4,4 @@ SELECT c.id::text AS id, TRUE AS locked, c.popularity_views AS views
   FROM {cards} c
  WHERE c.id = ANY(%(ids)s::uuid[]) AND c.status IS DISTINCT FROM 'Delisted'
  ORDER BY c.id
-   FOR UPDATE OF c
+   FOR NO KEY UPDATE OF c

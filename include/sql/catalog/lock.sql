@@ -17,7 +17,7 @@ WITH cand AS (
       FROM {cards} c
      WHERE c.id IN (SELECT id FROM cand) AND c.status IS DISTINCT FROM 'Delisted'
      ORDER BY c.id
-       FOR UPDATE OF c SKIP LOCKED
+       FOR NO KEY UPDATE OF c SKIP LOCKED
 )
 SELECT k.id::text AS id, l.id IS NOT NULL AS locked, l.popularity_views AS views
   FROM cand k LEFT JOIN locked l ON l.id = k.id

@@ -32,7 +32,7 @@ WITH cand AS (
       FROM news.posts p
      WHERE p.id IN (SELECT id FROM suspect) AND p.status IS DISTINCT FROM 'Archived'
      ORDER BY p.id
-       FOR UPDATE OF p SKIP LOCKED
+       FOR NO KEY UPDATE OF p SKIP LOCKED
 )
 SELECT (SELECT count(*) FROM cand)                           AS n_read,
        (SELECT count(*) FROM eligible)                       AS n_eligible,

@@ -43,7 +43,7 @@ WITH cand AS (
       FROM news.posts p
      WHERE p.id IN (SELECT id FROM suspect) AND p.status IS DISTINCT FROM 'Archived'
      ORDER BY p.id
-       FOR UPDATE OF p SKIP LOCKED
+       FOR NO KEY UPDATE OF p SKIP LOCKED
 ), batch AS (
     SELECT count(*) AS n FROM cand
 )

@@ -6,7 +6,7 @@ WITH locked AS (
       FROM news.posts p
      WHERE p.id = ANY(%(ids)s::uuid[]) AND p.status IS DISTINCT FROM 'Archived'
      ORDER BY p.id
-       FOR UPDATE OF p
+       FOR NO KEY UPDATE OF p
 )
 SELECT cardinality(%(ids)s::uuid[])                         AS n_read,
        (SELECT count(*) FROM locked)                        AS n_eligible,

@@ -31,7 +31,7 @@
 -- Not granted on purpose: UPDATE of any other column of the domain tables (status, texts,
 -- popularity_views), INSERT/DELETE/TRUNCATE on them, anything on news.comments but SELECT,
 -- CREATE on any schema or on the database, ownership of anything.
--- Note: SELECT ... FOR UPDATE needs UPDATE on at least one column of the table: the column
+-- Note: SELECT ... FOR NO KEY UPDATE needs UPDATE on at least one column of the table: the column
 -- grants below are what lets a batch lock its posts or cards.
 
 DO $roles$
@@ -85,7 +85,7 @@ BEGIN
         REVOKE ALL ON news.posts, news.comments FROM pin_news_job;
         GRANT USAGE ON SCHEMA news TO pin_news_job;
         GRANT SELECT ON news.posts, news.comments TO pin_news_job;
-        -- the only columns the job writes (and what lets it lock posts FOR UPDATE)
+        -- the only columns the job writes (and what lets it lock posts FOR NO KEY UPDATE)
         GRANT UPDATE (comments_count, updated_at) ON news.posts TO pin_news_job;
         -- news-only job state
         GRANT SELECT, INSERT, DELETE ON pin_nightly.news_drift TO pin_news_job;
@@ -104,7 +104,7 @@ BEGIN
                       catalog.popularity_daily_views FROM pin_catalog_job;
         GRANT USAGE ON SCHEMA catalog TO pin_catalog_job;
         GRANT SELECT ON catalog.property_object_cards, catalog.project_cards TO pin_catalog_job;
-        -- the only columns the job writes (and what lets it lock cards FOR UPDATE)
+        -- the only columns the job writes (and what lets it lock cards FOR NO KEY UPDATE)
         GRANT UPDATE (popularity_score, updated_at)
             ON catalog.property_object_cards, catalog.project_cards TO pin_catalog_job;
         -- the job's own snapshots: upsert, window reads, retention
