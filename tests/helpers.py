@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from tools.datagen import uuid7
+from tools.proc import wait_until
 
 _rnd = random.Random(1234)
 _clock = [datetime(2026, 1, 1, tzinfo=UTC)]
@@ -357,14 +358,7 @@ def wait_for(
     condition: Callable[[], Any], timeout: float = 30, poll: float = 0.02, what: str = "condition"
 ) -> Any:
     """Poll until ``condition()`` is truthy; return its value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
+    return wait_until(condition, timeout, what=what, poll=poll)
 
 
 class Webhook:

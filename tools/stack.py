@@ -1,7 +1,7 @@
 """A real Airflow on loopback: scheduler, dag-processor, triggerer and api-server processes
-with their metadata on PostgreSQL (used by the end-to-end tests and ``make airflow``); with
-:class:`CeleryStack`, on the CeleryExecutor with Celery workers as separate processes and a
-throw-away Redis (:class:`Redis`) as the broker."""
+(each a :class:`tools.proc.Proc`) with their metadata on PostgreSQL (used by the end-to-end
+tests and ``make airflow``); with :class:`CeleryStack`, on the CeleryExecutor with Celery
+workers as separate processes and a throw-away Redis (:class:`Redis`) as the broker."""
 
 from __future__ import annotations
 
@@ -18,39 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from tools import devenv
+from tools.proc import Proc, stop_all, wait_until
+
+AIRFLOW = devenv.REPO / ".venv" / "bin" / "airflow"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def stop_processes(procs: list[subprocess.Popen], timeout: float = 30) -> None:
-    """SIGTERM each process, SIGKILL after ``timeout``, then kill the processes they had
-    started (the children a parent leaves behind when it dies first)."""
-    import psutil
-
-    children: list[psutil.Process] = []
-    for p in procs:
-        try:
-            children += psutil.Process(p.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    for c in children:
-        try:
-            c.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=10)
 
 
 def stack_env(
@@ -100,12 +76,11 @@ class Stack:
         self.home = home
         self.env = env
         self.base = f"http://127.0.0.1:{env['AIRFLOW__API__PORT']}"
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
-        exe = devenv.REPO / ".venv" / "bin" / "airflow"
         return subprocess.run(
-            [str(exe), *args], env=self.env, check=True, capture_output=True, text=True
+            [str(AIRFLOW), *args], env=self.env, check=True, capture_output=True, text=True
         )
 
     def start(self, timeout: float = 120) -> Stack:
@@ -121,32 +96,37 @@ class Stack:
 
     def launch(self, timeout: float = 120) -> Stack:
         """Start the components on a prepared metadata database; return once all are healthy."""
-        exe = devenv.REPO / ".venv" / "bin" / "airflow"
         for name in self.COMPONENTS:
-            log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - closed by the process
-            self.procs[name] = subprocess.Popen(
-                [str(exe), name], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            self.procs[name] = Proc(name, [AIRFLOW, name], self.env, self.home / f"{name}.log")
+            self.procs[name].start()
+        try:
+            wait_until(
+                self.healthy,
+                timeout,
+                self.procs.values(),
+                f"a healthy Airflow; logs in {self.home}",
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                health = self.get("/api/v2/monitor/health")
-                if all(
-                    health.get(c, {}).get("status") == "healthy"
-                    for c in ("metadatabase", "scheduler", "triggerer", "dag_processor")
-                ):
-                    return self
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"Airflow did not become healthy; logs in {self.home}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def healthy(self) -> bool:
+        """Whether the metadata database and every component report healthy."""
+        try:
+            health = self.get("/api/v2/monitor/health")
+        except OSError:
+            return False
+        return all(
+            health.get(c, {}).get("status") == "healthy"
+            for c in ("metadatabase", "scheduler", "triggerer", "dag_processor")
+        )
 
     def stop(self) -> None:
-        """Terminate the components (SIGKILL after 30 s), then the processes they started and
-        left behind (a scheduler killed in its shutdown leaves its executor workers and log
-        server running)."""
-        stop_processes(list(self.procs.values()))
+        """Stop the components and every process under them (SIGTERM, SIGKILL after 30 s: a
+        scheduler killed in its shutdown leaves its executor workers and log server behind)."""
+        stop_all(self.procs.values())
+        self.procs.clear()
 
     def headers(self, path: str) -> dict[str, str]:  # noqa: ARG002 - a subclass may need it
         """Headers of a REST call to ``path`` (a stack behind a login adds its token)."""
@@ -168,13 +148,11 @@ class Stack:
         return self.request("GET", path)
 
     def wait_for_dags(self, dag_ids: list[str], timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            known = {d["dag_id"] for d in self.get("/api/v2/dags?limit=100")["dags"]}
-            if set(dag_ids) <= known:
-                return
-            time.sleep(1)
-        raise TimeoutError(f"DAGs {dag_ids} not parsed; see {self.home}/dag-processor.log")
+        def parsed() -> bool:
+            return set(dag_ids) <= {d["dag_id"] for d in self.get("/api/v2/dags?limit=100")["dags"]}
+
+        what = f"DAGs {dag_ids}; see {self.home}/dag-processor.log"
+        wait_until(parsed, timeout, self.procs.values(), what, poll=1)
 
     def wait_idle(self, dag_ids: list[str], timeout: float = 240) -> None:
         """Until no run of ``dag_ids`` is queued or running: a quiet stack (the stacks create no
@@ -206,13 +184,11 @@ class Stack:
     def wait_run(
         self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 180
     ) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ended() -> str | None:
             state = self.run_state(dag_id, run_id)
-            if state in states:
-                return state
-            time.sleep(1)
-        raise TimeoutError(f"{dag_id} {run_id} still {state}")
+            return state if state in states else None
+
+        return wait_until(ended, timeout, what=f"{dag_id} {run_id} to end", poll=1)
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
         tis = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances?limit=100")
@@ -243,7 +219,7 @@ class Redis:
         self.exe = exe or shutil.which("redis-server")
         self.dir = directory
         self.port = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: Proc | None = None
 
     @property
     def url(self) -> str:
@@ -252,31 +228,19 @@ class Redis:
     def start(self, timeout: float = 30) -> Redis:
         if not self.exe:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [
-                self.exe,
-                "--bind", "127.0.0.1",
-                "--port", str(self.port),
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.dir),
-                "--logfile", str(self.dir / "redis.log"),
-                "--daemonize", "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited; see {self.dir / 'redis.log'}")
-            if self.ping():
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"redis-server did not answer; see {self.dir / 'redis.log'}")
+        argv = [
+            self.exe,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.dir),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        self.proc = Proc("redis-server", argv, None, self.dir / "redis.log", self.ping).start()
+        self.proc.wait_ready(timeout)
+        return self
 
     def ping(self) -> bool:
         try:
@@ -287,14 +251,8 @@ class Redis:
             return False
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop(timeout=10)
 
 
 def celery_settings(env: dict[str, str], broker_url: str) -> dict[str, str]:
@@ -313,7 +271,7 @@ class CeleryStack(Stack):
 
     def __init__(self, home: Path, env: dict[str, str]):
         super().__init__(home, env)
-        self.workers: dict[str, subprocess.Popen] = {}
+        self.workers: dict[str, Proc] = {}
 
     def node(self, name: str) -> str:
         """Celery node name of worker ``name`` (also its task instances' hostname)."""
@@ -321,36 +279,24 @@ class CeleryStack(Stack):
 
     def start_worker(self, name: str, concurrency: int = 2, timeout: float = 90) -> str:
         """Start worker ``name``; return its node name once it consumes tasks."""
-        exe = devenv.REPO / ".venv" / "bin" / "airflow"
         node = self.node(name)
         env = {
             **self.env,
             "PIN_WORKER_HOSTNAME": node,
             "AIRFLOW__CORE__HOSTNAME_CALLABLE": "tools.stack.worker_hostname",
         }
-        log_path = self.home / f"worker-{name}.log"
-        log = open(log_path, "w")  # noqa: SIM115 - closed by the process
-        self.workers[name] = subprocess.Popen(
-            [
-                str(exe), "celery", "worker",
-                "--celery-hostname", node,
-                "--concurrency", str(concurrency),
-                "--pid", str(self.home / f"worker-{name}.pid"),
-                # task logs are files under the shared AIRFLOW_HOME, which the api-server reads
-                "--skip-serve-logs",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.workers[name].poll() is not None:
-                raise RuntimeError(f"worker {name} exited; see {log_path}")
-            if self.ping(node):
-                return node
-            time.sleep(0.5)
-        raise TimeoutError(f"worker {name} not ready; see {log_path}")
+        argv = [
+            AIRFLOW, "celery", "worker",
+            "--celery-hostname", node,
+            "--concurrency", str(concurrency),
+            "--pid", self.home / f"worker-{name}.pid",
+            # task logs are files under the shared AIRFLOW_HOME, which the api-server reads
+            "--skip-serve-logs",
+        ]  # fmt: skip
+        log = self.home / f"worker-{name}.log"
+        self.workers[name] = Proc(f"worker {name}", argv, env, log, lambda: self.ping(node))
+        self.workers[name].start().wait_ready(timeout)
+        return node
 
     def ping(self, node: str) -> bool:
         """Whether Celery worker ``node`` answers a ping over the broker (it consumes)."""
@@ -365,28 +311,14 @@ class CeleryStack(Stack):
     def kill_worker(self, name: str) -> list[int]:
         """SIGKILL worker ``name`` and every process under it (its pool processes, their task
         supervisors and task processes), as a lost host would; return their pids."""
-        import psutil
-
-        proc = self.workers.pop(name)
-        try:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
-        for p in tree:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(tree, timeout=10)
-        proc.wait()
-        return [p.pid for p in tree]
+        return self.workers.pop(name).stop(sig=signal.SIGKILL)
 
     def stop_worker(self, name: str, timeout: float = 30) -> None:
-        """SIGTERM (Celery's warm shutdown), SIGKILL after ``timeout``, and whatever the worker
-        left behind."""
-        stop_processes([self.workers.pop(name)], timeout)
+        """SIGTERM to the worker and every process under it (a task in flight is stopped too),
+        SIGKILL after ``timeout``."""
+        self.workers.pop(name).stop(timeout)
 
     def stop(self) -> None:
-        for name in list(self.workers):
-            self.stop_worker(name)
+        stop_all(self.workers.values())
+        self.workers.clear()
         super().stop()
