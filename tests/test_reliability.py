@@ -297,9 +297,9 @@ WORKER = textwrap.dedent("""
                 cur, sql("news/full_source").strip(), {{"sweep_id": s["sweep_id"]}},
                 cfg["batch_size"], 1))
         [rng] = keyset.range_descriptors(sweep, "FullSweep")
-        batch = news.make_batch(opts, sweep["sweep_id"], cfg["run_id"], candidate_mode=False)
+        job = news.make_batch(opts, sweep["sweep_id"], cfg["run_id"], candidate_mode=False)
         print("working", sweep["sweep_id"], flush=True)
-        res = keyset.run_range(conn, rng, lease, cfg["batch_size"], batch)
+        res = keyset.run_range(conn, rng, lease, cfg["batch_size"], job)
         print("finished", json.dumps(res.__dict__), flush=True)
 """).format()
 
@@ -456,6 +456,76 @@ def test_connection_terminated_mid_batch_fails_the_task_and_a_retry_resumes(news
         resumed_by_retry=40,
         failed_run_s=round(failed_after, 1),
     )
+
+
+# --- 3b'. the server ends a statement that runs or waits too long -------------------------------
+
+
+@pytest.mark.parametrize("bound", ["statement_timeout", "lock_timeout"])
+def test_a_batch_past_its_session_bound_is_ended_by_the_server_and_its_retry_resumes(
+    news_db, monkeypatch, capfd, caplog, bound
+):
+    """The job's sessions are bounded by the server (defaults in pin_nightly.db.SESSION_BOUNDS;
+    here 1 s, from the connection's ``options`` extra). The third batch's update of one post
+    runs too long (a trigger sleeps: statement_timeout) or waits for a lock another session
+    keeps (an advisory lock: lock_timeout): the server cancels it, the batch rolls back, the
+    range fails saying which timeout ended it, and clearing it resumes from the cursor."""
+    from tools.rundag import clear_and_resume
+
+    ids = news_db.posts(60, drift_every=1)
+    conn = json.loads(os.environ["AIRFLOW_CONN_NEWS_DB"])
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_NEWS_DB", json.dumps({**conn, "extra": {"options": f"-c {bound}=1s"}})
+    )
+    holder = psycopg.connect(news_db.dsn, autocommit=True)
+    if bound == "lock_timeout":
+        install_gate(news_db, "news.posts", ids[25])
+        holder.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+    else:
+        news_db.q(
+            "CREATE FUNCTION public.pin_test_slow() RETURNS trigger LANGUAGE plpgsql AS $$ "
+            f"BEGIN IF NEW.id = '{ids[25]}'::uuid THEN PERFORM pg_sleep(30); END IF; "
+            "RETURN NEW; END $$"
+        )
+        news_db.q(
+            "CREATE TRIGGER pin_test_gate BEFORE UPDATE ON news.posts FOR EACH ROW "
+            "EXECUTE FUNCTION public.pin_test_slow()"
+        )
+    conf = {**FULL, "batch_size": 10, "max_ranges": 1}
+    capfd.readouterr()
+    t0 = time.monotonic()
+    try:
+        r = run_dag(NEWS, conf)
+    finally:
+        holder.close()
+    took = time.monotonic() - t0
+    text = _logs(capfd, caplog)
+    assert r["tasks"]["reconcile_range[0]"] == "failed" and r["state"] == "failed"
+    assert r["tasks"]["release_lease"] == "success"
+    assert f"canceling statement due to {bound.replace('_', ' ')}" in text, text[-3000:]
+    assert took < 25  # ended by the server after 1 s, not by the trigger's 30 s sleep
+    # the third batch was rolled back as a whole: cursor and corrections agree
+    assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == [
+        (ids[19], 2)
+    ]
+    assert sorted(p for p in ids if news_db.count(p) == 2) == ids[:20]
+    remove_gate(news_db, "news.posts")
+    s = assert_ok(clear_and_resume(NEWS, r["run_id"]))
+    assert s["posts_reconciled"] == 60 and s["drift_corrected"] == 60  # 20 + 40, none twice
+    assert news_db.drifted_posts() == 0
+    assert news_db.one("SELECT count(DISTINCT post_id) FROM pin_nightly.news_drift") == 60
+    assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 60
+
+
+def test_job_sessions_are_bounded_unless_the_connection_bounds_them(news_db):
+    """Defaults where the session has none; a value the connection sets is kept."""
+    from pin_nightly.db import SESSION_BOUNDS, bound_session
+
+    with psycopg.connect(news_db.dsn) as conn:
+        assert bound_session(conn) == SESSION_BOUNDS
+        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("1min",)
+    with psycopg.connect(news_db.dsn, options="-c lock_timeout=2s") as conn:
+        assert bound_session(conn) == {**SESSION_BOUNDS, "lock_timeout": "2s"}
 
 
 # --- 3c. the lease taken over while a slow worker still runs (fencing) --------------------------

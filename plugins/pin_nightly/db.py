@@ -89,7 +89,30 @@ def connect(conn_id: str):
             f"cannot connect to the database of Airflow connection {conn_id!r}: {str(exc).strip()}"
         ) from exc
     conn.autocommit = False
+    bound_session(conn)
     return conn
+
+
+# Every session of a job is bounded by the server (a statement that runs away, a lock it would
+# wait for forever, a worker that stalls inside a transaction): the longest statements are the
+# range planning and retention (seconds at a million rows), a batch takes well under a second at
+# the default batch sizes, and the job never waits between the statements of a transaction.
+# A setting that the connection (extra ``options``: ``-c lock_timeout=2s``), the job's role or
+# its database already gives wins: these apply only where the session's value is 0 (off).
+SESSION_BOUNDS = {
+    "statement_timeout": "5min",
+    "lock_timeout": "30s",
+    "idle_in_transaction_session_timeout": "1min",
+}
+
+
+def bound_session(conn) -> dict[str, str]:
+    """Apply :data:`SESSION_BOUNDS` where the session has none; return the session's values."""
+    with transaction(conn) as cur:
+        cur.execute(sql("common/session_bounds"), SESSION_BOUNDS)
+        values = dict(cur.fetchall())
+    log.debug("session bounds: %s", values)
+    return values
 
 
 @contextmanager

@@ -10,6 +10,17 @@
 -- the range rows, so they never count a lost batch.
 SELECT set_config('synchronous_commit', 'off', true)
 
+-- name: session_bounds
+-- For the whole session: each timeout that is still off (0) gets the job's default; returns
+-- every timeout's value in force.
+SELECT b.name, CASE WHEN current_setting(b.name) IN ('0', '0ms')
+                    THEN set_config(b.name, b.value, false)
+                    ELSE current_setting(b.name) END
+  FROM (VALUES ('statement_timeout', %(statement_timeout)s),
+               ('lock_timeout', %(lock_timeout)s),
+               ('idle_in_transaction_session_timeout',
+                %(idle_in_transaction_session_timeout)s)) AS b(name, value)
+
 -- name: set_lock_timeout
 -- For the rest of the transaction: give up waiting for a row lock after this many milliseconds.
 SELECT set_config('lock_timeout', %(ms)s, true)
