@@ -14,6 +14,7 @@ import psycopg
 
 from tests.helpers import assert_ok, night, when
 from tests.helpers import reference_popularity_score as reference_score
+from tools import pgbench
 from tools.rundag import run_dag
 
 DAG = "catalog_popularity_recompute"
@@ -338,38 +339,17 @@ def test_consumer_increments_during_a_run_are_never_lost_or_torn(catalog_db):
     cold = [catalog_db.card(views=10) for _ in range(300)]
     for cid in hot + cold:
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), 0)
-    stop, done, errors = threading.Event(), [0], []
-
-    def consumer():
-        with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
-            while not stop.is_set():
-                try:
-                    for cid in hot:
-                        conn.execute(
-                            "UPDATE catalog.property_object_cards "
-                            "SET popularity_views = popularity_views + 1 WHERE id = %s",
-                            (cid,),
-                        )
-                        done[0] += 1
-                except Exception as exc:  # noqa: BLE001
-                    errors.append(exc)
-                    return
-
-    t = threading.Thread(target=consumer)
-    t.start()
-    try:
+    # the view consumer: increments on the hot cards only, autocommit (tools/hot_path/)
+    with pgbench.PgBench(catalog_db.dsn, pgbench.VIEWS, hot, clients=1) as consumer:
         s = assert_ok(run({"batch_size": 10}))
-    finally:
-        stop.set()
-        t.join(30)
-    assert errors == [] and done[0] > 0
+    assert consumer.result.failures == [] and consumer.result.committed > 0
     final = {
         cid: catalog_db.one(
             "SELECT popularity_views FROM catalog.property_object_cards WHERE id = %s", cid
         )
         for cid in hot
     }
-    assert sum(final.values()) == 5 * 1000 + done[0]  # every increment landed
+    assert sum(final.values()) == 5 * 1000 + consumer.result.committed  # none lost
     for cid in hot:
         [(d, snap)] = [x for x in catalog_db.snapshots(cid) if x[0] == D]
         assert 1000 <= snap <= final[cid]  # a value the counter really had

@@ -11,10 +11,7 @@ import threading
 from datetime import timedelta
 
 SCRIPT = textwrap.dedent("""
-    import os, sys
-    from pathlib import Path
-    from tools import devenv
-    devenv.apply_airflow_env(Path(os.environ["PIN_TEST_HOME"]))
+    # the test session's Airflow environment, inherited
     from tools.rundag import run_dag
     for dag_id, conf in (("news_comment_reconcile", {{"scope": "FullSweep"}}),
                          ("catalog_popularity_recompute", {{}})):
@@ -93,10 +90,7 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
 
 
 FAILURES = textwrap.dedent("""
-    import os, sys
-    from pathlib import Path
-    from tools import devenv
-    devenv.apply_airflow_env(Path(os.environ["PIN_TEST_HOME"]))
+    # the test session's Airflow environment, inherited
     from tools.rundag import run_dag
     from pin_nightly import catalog, news
 
