@@ -62,7 +62,8 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
     runs the tasks in this process, so the wrapper is what the task calls: ``before`` raises
     instead of calling it, ``after`` raises once it has done its work (the task dies between its
     last write and its return), ``mid_batch`` (``target`` a make_batch, of card kind ``kind``
-    if given) raises inside the second batch's transaction, as a worker lost mid-batch."""
+    if given) raises inside the second batch's transaction (the second call of the job's
+    ``batch``), as a worker lost mid-batch."""
     module_name, attr = target.rsplit(".", 1)
     module = importlib.import_module(module_name)
     real = getattr(module, attr)
@@ -72,10 +73,11 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
 
         @functools.wraps(real)
         def make_batch(*args, **kwargs):
-            batch = real(*args, **kwargs)
+            job = real(*args, **kwargs)
             if kind is not None and kind not in args:
-                return batch
+                return job
             calls = [0]
+            batch = job.batch
 
             def failing(cur, *a):
                 out = batch(cur, *a)
@@ -85,7 +87,8 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
                     raise InjectedFault(f"{target}: worker lost in the middle of a batch")
                 return out
 
-            return failing
+            job.batch = failing
+            return job
 
         monkeypatch.setattr(module, attr, make_batch)
         return state

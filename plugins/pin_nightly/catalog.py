@@ -112,6 +112,8 @@ DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
 
 
+# The result's fields of each card kind (<CardKind.result>_<field>), from the passes' counters.
+PER_KIND = {"updated": "changed", "processed": "processed", "skipped_locked": "skipped_locked"}
 # In a dry run these stay 0 in the result; dry_run_report holds what the run would have done.
 DRY_RUN_FIELDS = (
     "property_object_cards_updated",
@@ -222,20 +224,10 @@ def plan_ranges(
             log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
             return []
 
-        source = {"targeted": targeted, "card_ids": opts["card_ids"]}
-
-        def plan(cur, _sweep):
-            return keyset.boundaries(
-                cur,
-                card_sql("source", kind).strip(),
-                source,
-                opts["batch_size"],
-                opts["max_ranges"],
-            )
-
-        sweep = keyset.open_sweep(conn, spec, lease, run_id, plan)
+        job = Recompute(opts, None, run_id, kind)
+        sweep = keyset.open_sweep(conn, spec, lease, run_id, job.plan)
         with transaction(conn) as cur:
-            share = budget_share(cur, kind, source)
+            share = budget_share(cur, kind, job.source)
     ranges = keyset.range_descriptors(sweep, kind)
     for r in ranges:
         r["budget_share"] = share
@@ -276,29 +268,39 @@ def formula_variant(opts: dict[str, Any]) -> str:
     return f"window {w}d half-life {h:g}d"
 
 
-def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str):
-    lock_sql = card_sql("lock", kind)
-    ids_sql = card_sql("ids_lock", kind)
-    apply_sql = card_sql("apply", kind)
-    targeted = bool(opts["card_ids"])
+@dataclass
+class Recompute(keyset.SweepJob):
+    """The snapshot and rescore of one sweep's cards of ``kind`` (all of them, or the run's
+    ``card_ids``)."""
 
-    def batch(cur, after_id, upper_id, limit, only_ids):
-        if only_ids:
-            cur.execute(ids_sql, {"ids": only_ids})
-        else:
-            cur.execute(
-                lock_sql,
-                {
-                    "after_id": after_id,
-                    "upper_id": upper_id,
-                    "limit": limit,
-                    "targeted": targeted,
-                    "card_ids": opts["card_ids"],
-                },
-            )
+    kind: str
+
+    @property
+    def source(self) -> dict[str, Any]:
+        """The parameters of the kind's keyset source (``catalog/source``)."""
+        return {"targeted": bool(self.opts["card_ids"]), "card_ids": self.opts["card_ids"]}
+
+    def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:  # noqa: ARG002
+        source_sql = card_sql("source", self.kind).strip()
+        return keyset.boundaries(
+            cur, source_sql, self.source, self.opts["batch_size"], self.opts["max_ranges"]
+        )
+
+    def batch(self, cur, after_id, upper_id, limit: int) -> keyset.Batch:
+        params = {"after_id": after_id, "upper_id": upper_id, "limit": limit, **self.source}
+        cur.execute(card_sql("lock", self.kind), params)
+        return self._recompute(cur, limit)
+
+    def retry(self, cur, ids: list[str]) -> keyset.Batch:
+        cur.execute(card_sql("ids_lock", self.kind), {"ids": ids})
+        return self._recompute(cur, 1)
+
+    def _recompute(self, cur, limit: int) -> keyset.Batch:
+        """Snapshot and rescore the cards the lock statement just locked."""
+        kind, opts = self.kind, self.opts
         rows = fetch_dicts(cur)
         if not rows:
-            return keyset.Batch(last_id=None, full=False)
+            return keyset.Batch(keyset.Counters())
         locked = [r for r in rows if r["locked"]]
         skipped = [r["id"] for r in rows if not r["locked"]]
         poison = [r for r in locked if r["views"] is None or r["views"] < 0]
@@ -318,23 +320,16 @@ def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str):
             # planning it is cheap next to executing it (bench/RESULTS.md)
             cur.execute(sql("common/custom_plans"))
             views = {r["id"]: r["views"] for r in locked}
+            formula = {"as_of": opts["as_of_date"], "window_days": opts["window_days"]}
+            formula.update(kind=kind, half_life=opts["half_life_days"])
 
             def apply(ids: list[str]) -> list[dict[str, Any]]:
-                cur.execute(
-                    apply_sql,
-                    {
-                        "ids": ids,
-                        "views": [views[i] for i in ids],
-                        "kind": kind,
-                        "as_of": opts["as_of_date"],
-                        "window_days": opts["window_days"],
-                        "half_life": opts["half_life_days"],
-                    },
-                )
+                params = {**formula, "ids": ids, "views": [views[i] for i in ids]}
+                cur.execute(card_sql("apply", kind), params)
                 return fetch_dicts(cur)
 
             parts, failed = keyset.isolate_items(
-                cur, list(views), apply, JOB.code, run_id, sweep_id, "card_id"
+                cur, list(views), apply, JOB.code, self.run_id, self.sweep_id, "card_id"
             )
             out = {
                 "snapshots_written": sum(p["snapshots_written"] for p in parts),
@@ -355,31 +350,30 @@ def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str):
         errors = len(poison) + len(out["overflow_ids"])
         log.debug("batch %s: rows=%d updated=%d", kind, len(locked), out["cards_updated"])
         return keyset.Batch(
+            keyset.Counters(
+                processed=len(locked),
+                changed=int(out["cards_updated"]),
+                written=int(out["snapshots_written"]),
+                item_errors=errors,
+            ),
             last_id=rows[-1]["id"],
             full=len(rows) >= limit,
-            processed=len(locked),
-            changed=int(out["cards_updated"]),
-            written=int(out["snapshots_written"]),
-            item_errors=errors,
             skipped_ids=skipped,
         )
 
-    return batch
+
+def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str) -> Recompute:
+    """The recompute of the ranges of sweep ``sweep_id`` (what a range task runs)."""
+    return Recompute(opts, sweep_id, run_id, kind)
 
 
 def recompute_range(
     kind: str, rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
 ) -> dict[str, Any]:
     """One mapped task: snapshot and rescore the cards of a keyset range."""
-    return run_range_task(
-        JOB,
-        rng,
-        lease_data,
-        opts["batch_size"],
-        make_batch(kind, opts, rng["sweep_id"], run_id),
-        run_id,
-        span_attributes={"pin.card_kind": kind},
-    )
+    job = make_batch(kind, opts, rng["sweep_id"], run_id)
+    span = {"pin.card_kind": kind}
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id, span)
 
 
 def retention_days(opts: dict[str, Any]) -> int:
@@ -432,42 +426,27 @@ def summarize(
     """
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
-        "status": "success",
+        **jobs.new_result(opts, run_id),
         "as_of_date": opts["as_of_date"],
-        "dry_run": opts["dry_run"],
-        "property_object_cards_updated": 0,
-        "project_cards_updated": 0,
-        "property_object_cards_processed": 0,
-        "project_cards_processed": 0,
+        **{f"{k.result}_{n}": 0 for n in PER_KIND for k in CARD_KINDS},
         "snapshots_written": 0,
         "snapshots_pruned": pruned or 0,
-        "item_errors": 0,
-        "property_object_cards_skipped_locked": 0,
-        "project_cards_skipped_locked": 0,
-        "backlog_remaining": False,
-        "duration_ms": 0,
-        "run_id": run_id,
         "scores_as_of_date": None,
         "score_staleness_hours": None,
-        "unfinished_sweeps": [],
     }
     scored = None
     with connection(JOB.conn_id) as conn:
         if lease is None:
             result["status"] = LOCK_HELD
         else:
-            totals, unfinished = keyset.finish_run(conn, JOB.code, lease.holder)
+            totals, result["unfinished_sweeps"] = keyset.finish_run(conn, JOB.code, lease.holder)
             for t in totals:
-                p = KINDS[t["family"]].result
-                result[f"{p}_updated"] += t["rows_changed"]
-                result[f"{p}_processed"] += t["rows_processed"]
-                result[f"{p}_skipped_locked"] += t["skipped_locked"]
-                result["snapshots_written"] += t["rows_written"]
-                result["item_errors"] += t["item_errors"]
-            result["unfinished_sweeps"] = [
-                f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished
-            ]
-            result["backlog_remaining"] = bool(unfinished)
+                c = t["counters"]
+                for n, count in PER_KIND.items():
+                    result[f"{KINDS[t['family']].result}_{n}"] += getattr(c, count)
+                result["snapshots_written"] += c.written
+                result["item_errors"] += c.item_errors
+            result["backlog_remaining"] = bool(result["unfinished_sweeps"])
             result["history_pruned"] = jobs.prune_history(conn, JOB, opts)
             with transaction(conn) as cur:
                 why = _backfill_guard(cur, opts)

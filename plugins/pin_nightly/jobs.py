@@ -220,20 +220,7 @@ def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
     """The lease this run holds, or None when it did not get it."""
     if not data or not data.get("acquired"):
         return None
-    return leases.Lease.from_xcom(
-        {
-            k: data[k]
-            for k in (
-                "lock_key",
-                "holder",
-                "token",
-                "acquired_at",
-                "run_deadline_at",
-                "ttl_minutes",
-                "max_run_minutes",
-            )
-        }
-    )
+    return leases.Lease.from_xcom(data)
 
 
 def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
@@ -275,6 +262,19 @@ def task_failed(metric: str, context: dict[str, Any]) -> None:
         context.get("exception"),
     )
     metrics.incr(f"{metric}_errors_total")
+
+
+def new_result(opts: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """The fields of a run's result that both jobs report, before the run is counted."""
+    return {
+        "status": "success",
+        "dry_run": opts["dry_run"],
+        "item_errors": 0,
+        "backlog_remaining": False,
+        "duration_ms": 0,
+        "run_id": run_id,
+        "unfinished_sweeps": [],
+    }
 
 
 def elapsed_ms(lease: leases.Lease | None) -> int:
@@ -327,11 +327,7 @@ def _range_start(
 def _range_result(res: keyset.RangeResult) -> dict[str, Any]:
     return {
         "pin.range.status": res.status,
-        "pin.range.batches": res.batches,
-        "pin.range.rows": res.processed,
-        "pin.range.updated_count": res.changed,
-        "pin.range.skipped_locked": res.skipped_locked,
-        "pin.range.item_errors": res.item_errors,
+        **res.attributes("pin.range", omit=("written", "retried")),
         "pin.range.cursor": res.cursor_id,
     }
 
@@ -341,13 +337,14 @@ def run_range_task(
     rng: dict[str, Any],
     lease_data: dict[str, Any],
     batch_size: int,
-    batch: keyset.BatchFn,
+    work: keyset.SweepJob,
     run_id: str,
     span_attributes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Body of a mapped range task: work through the range, stop gracefully. A range that is no
-    longer this run's (a later run adopted it, or its sweep was abandoned for a newer date:
-    the task was cleared late) writes nothing and ends green, saying which run took over."""
+    """Body of a mapped range task: work through the range (the job's ``work`` on its sweep),
+    stop gracefully. A range that is no longer this run's (a later run adopted it, or its sweep
+    was abandoned for a newer date: the task was cleared late) writes nothing and ends green,
+    saying which run took over."""
     with tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span:
         taken = lease_from_xcom(lease_data)
         if taken is None:
@@ -358,7 +355,7 @@ def run_range_task(
             if why is None:
                 lease = leases.rejoin(conn, taken)
                 with keyset.StopSignal() as stop:
-                    res = keyset.run_range(conn, rng, lease, batch_size, batch, stop=stop)
+                    res = keyset.run_range(conn, rng, lease, batch_size, work, stop=stop)
             else:
                 log.warning("range %s: %s; this task writes nothing", rng["label"], why)
                 res = keyset.RangeResult(
@@ -368,25 +365,19 @@ def run_range_task(
                     superseded_by=why,
                 )
         tracing.set_result(span, _range_result, res)
+        out = {**res.__dict__, "label": rng["label"]}
         log.info(
-            "range %s %s: processed=%d changed=%d written=%d batches=%d "
-            "skipped_locked=%d (retried %d) item_errors=%d",
-            rng["label"],
-            res.status,
-            res.processed,
-            res.changed,
-            res.written,
-            res.batches,
-            res.skipped_locked,
-            res.retried,
-            res.item_errors,
+            "range %(label)s %(status)s: processed=%(processed)d changed=%(changed)d "
+            "written=%(written)d batches=%(batches)d skipped_locked=%(skipped_locked)d "
+            "(retried %(retried)d) item_errors=%(item_errors)d",
+            out,
         )
         if res.status == "stopped":
             raise keyset.GracefulStop(
                 f"stopped on request after {res.batches} batch(es); "
                 f"committed work is kept, cursor {res.cursor_id}"
             )
-    return {**res.__dict__, "label": rng["label"]}
+    return out
 
 
 def config_errors_fail(fn: Callable) -> Callable:

@@ -22,8 +22,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Self
 
 from pin_nightly import lease as leases
 from pin_nightly import tracing
@@ -102,148 +102,174 @@ def boundaries(
     return total, inner
 
 
+@dataclass
+class SweepJob:
+    """A job's work on one sweep (``sweep_id``; None while planning), in three methods; the
+    framework owns the loop, the transactions, the lease, the checkpoints and the counters."""
+
+    opts: dict[str, Any]
+    sweep_id: int | None
+    run_id: str
+
+    def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
+        """A new sweep's ``(rows, inner_boundaries)``, in the transaction that creates it."""
+        raise NotImplementedError
+
+    def batch(self, cur, after_id: str | None, upper_id: str | None, limit: int) -> Batch:
+        """The range's next at most ``limit`` rows in ``(after_id, upper_id]``, SKIP LOCKED."""
+        raise NotImplementedError
+
+    def retry(self, cur, ids: list[str]) -> Batch:
+        """Exactly the rows ``ids`` a batch skipped because locked, waiting for their locks."""
+        raise NotImplementedError
+
+
 def open_sweep(
     conn,
     spec: SweepSpec,
     lease: leases.Lease,
     run_id: str,
     plan: Callable[[Any, dict[str, Any]], tuple[int, list[str]]],
-    prepare: Callable[[Any, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Find, adopt or create the sweep of ``spec`` for the acquisition ``lease`` (of the run
     ``run_id``); return it with its ranges. Sweeps and ranges belong to the acquisition (the
     lease holder), not to the run id, which other deployments give their runs too.
 
-    ``prepare(cur, sweep)`` runs once for a new sweep (e.g. materialize candidates);
-    ``plan(cur, sweep)`` returns ``(rows, inner_boundaries)`` for a new sweep. With
-    ``spec.resume_others`` the job's other unfinished resumable sweeps are adopted too and
-    returned under ``"others"``, oldest first.
+    ``plan(cur, sweep)`` (a job's :meth:`SweepJob.plan`) returns ``(rows, inner_boundaries)``
+    for a new sweep. With ``spec.resume_others`` the job's other unfinished resumable sweeps are
+    adopted too and returned under ``"others"``, oldest first.
     """
-    owner = lease.holder
     base = {
         "job": spec.job,
         "scope": spec.scope,
         "family": spec.family,
         "run_id": run_id,
-        "owner": owner,
+        "owner": lease.holder,
     }
     with transaction(conn) as cur:
-        cur.execute(sql("common/sweep_close_finished"), {"job": spec.job, "keep_owner": owner})
-        for s in fetch_dicts(cur):
-            log.warning(
-                "sweep %s (%s) of run %s had all its ranges done but was never closed "
-                "(its summary did not run): closed now",
-                s["sweep_id"],
-                s["scope"],
-                s["run_id"],
-            )
-        cur.execute(sql("common/sweep_abandon_orphans"), base)
-        for s in fetch_dicts(cur):
-            log.warning(
-                "sweep %s (%s) of run %s was left unfinished and cannot be resumed by "
-                "another run: abandoned (trigger that repair again if still needed)",
-                s["sweep_id"],
-                s["scope"],
-                s["run_id"],
-            )
-        cur.execute(sql("common/sweep_find_own"), base)
-        sweep = fetch_one_dict(cur)
-        adopted = False
-        if sweep is None and spec.resumable:
-            cur.execute(sql("common/sweep_abandon_family"), base)
-            cur.execute(sql("common/sweep_adopt"), {**base, "subsumes": spec.subsumes})
-            sweep = fetch_one_dict(cur)
-            if sweep is not None:
-                adopted = True
-                cur.execute(
-                    sql("common/sweep_adopt_ranges"),
-                    {"sweep_id": sweep["sweep_id"], "run_id": run_id, "owner": owner},
-                )
-            elif spec.subsumes:
-                cur.execute(sql("common/sweep_abandon_subsumed"), base)
-                for s in fetch_dicts(cur):
-                    log.info(
-                        "sweep %s (%s) of run %s was left unfinished: this run's new sweep "
-                        "covers all it had left, so it is closed as abandoned",
-                        s["sweep_id"],
-                        s["scope"],
-                        s["run_id"],
-                    )
+        _close_leftovers(cur, base)
+        sweep = _find_or_adopt(cur, spec, base)
         if sweep is None:
-            cur.execute(
-                sql("common/sweep_create"),
-                {**base, "resumable": spec.resumable, "params": json.dumps(spec.params)},
-            )
-            sweep = fetch_one_dict(cur)
-            if prepare is not None:
-                prepare(cur, sweep)
-            total, inner = plan(cur, sweep)
-            bounds = [None, *inner, None]
-            pairs = [(lo, hi, None) for lo, hi in zip(bounds, bounds[1:])]
-            if spec.rotate:
-                cur.execute(
-                    sql("common/sweep_resume_point"), {**base, "sweep_id": sweep["sweep_id"]}
-                )
-                resume = fetch_one_dict(cur)
-                if resume is not None:
-                    pairs = rotated([p[:2] for p in pairs], resume["resume_after"])
-                    log.info(
-                        "sweep %s (%s) starts after %s, where the unfinished sweep %s stopped: "
-                        "the rows it did not reach go first",
-                        sweep["sweep_id"],
-                        spec.scope,
-                        resume["resume_after"],
-                        resume["sweep_id"],
-                    )
-            for i, (lower, upper, wrap_at) in enumerate(pairs):
-                cur.execute(
-                    sql("common/range_insert"),
-                    {
-                        "sweep_id": sweep["sweep_id"],
-                        "range_no": i,
-                        "lower_id": lower,
-                        "upper_id": upper,
-                        "wrap_at": wrap_at,
-                        "planned_rows": total // len(pairs),
-                        "run_id": run_id,
-                        "owner": owner,
-                    },
-                )
-            log.info(
-                "sweep %s (%s) planned: %d rows in %d range(s)",
-                sweep["sweep_id"],
-                spec.scope,
-                total,
-                len(pairs),
-            )
-        elif adopted:
-            log.info(
-                "sweep %s (%s) adopted from an earlier run: resuming from its cursors",
-                sweep["sweep_id"],
-                spec.scope,
-            )
-        sweep["adopted"] = adopted
-        sweep["others"] = []
-        if spec.resume_others:
-            cur.execute(sql("common/sweep_adopt_unfinished"), base)
-            sweep["others"] = sorted(
-                fetch_dicts(cur), key=lambda s: (s["started_at"], s["sweep_id"])
-            )
-            for other in sweep["others"]:
-                other["adopted"] = True
-                cur.execute(
-                    sql("common/sweep_adopt_ranges"),
-                    {"sweep_id": other["sweep_id"], "run_id": run_id, "owner": owner},
-                )
-                log.info(
-                    "sweep %s (%s) is unfinished: this run resumes it after its own",
-                    other["sweep_id"],
-                    other["scope"],
-                )
+            sweep = _create(cur, spec, base, plan)
+        sweep["others"] = _adopt_others(cur, base) if spec.resume_others else []
         for s in [sweep, *sweep["others"]]:
             cur.execute(sql("common/sweep_ranges"), {"sweep_id": s["sweep_id"]})
             s["ranges"] = fetch_dicts(cur)
     return sweep
+
+
+def _log_sweeps(cur, level: int, what: str) -> None:
+    """Log each sweep the statement just executed returned, and ``what`` became of it."""
+    for s in fetch_dicts(cur):
+        log.log(level, "sweep %s (%s) of run %s %s", s["sweep_id"], s["scope"], s["run_id"], what)
+
+
+def _close_leftovers(cur, base: dict[str, Any]) -> None:
+    """Close the job's sweeps whose ranges are all done, and abandon the unfinished sweeps that
+    no run may adopt (targeted repairs and dry runs of other acquisitions)."""
+    cur.execute(sql("common/sweep_close_finished"), {**base, "keep_owner": base["owner"]})
+    _log_sweeps(
+        cur,
+        logging.WARNING,
+        "had all its ranges done but was never closed (its summary did not run): closed now",
+    )
+    cur.execute(sql("common/sweep_abandon_orphans"), base)
+    _log_sweeps(
+        cur,
+        logging.WARNING,
+        "was left unfinished and cannot be resumed by another run: abandoned (trigger that "
+        "repair again if still needed)",
+    )
+
+
+def _find_or_adopt(cur, spec: SweepSpec, base: dict[str, Any]) -> dict[str, Any] | None:
+    """The sweep this acquisition already opened, else (a resumable scope) the unfinished one an
+    earlier run left, adopted with its ranges; None when a new sweep is to be planned."""
+    cur.execute(sql("common/sweep_find_own"), base)
+    sweep = fetch_one_dict(cur)
+    if sweep is not None:
+        return {**sweep, "adopted": False}
+    if not spec.resumable:
+        return None
+    cur.execute(sql("common/sweep_abandon_family"), base)
+    cur.execute(sql("common/sweep_adopt"), {**base, "subsumes": spec.subsumes})
+    sweep = fetch_one_dict(cur)
+    if sweep is not None:
+        cur.execute(sql("common/sweep_adopt_ranges"), {**base, "sweep_id": sweep["sweep_id"]})
+        log.info(
+            "sweep %s (%s) adopted from an earlier run: resuming from its cursors",
+            sweep["sweep_id"],
+            spec.scope,
+        )
+        return {**sweep, "adopted": True}
+    if spec.subsumes:
+        cur.execute(sql("common/sweep_abandon_subsumed"), base)
+        _log_sweeps(
+            cur,
+            logging.INFO,
+            "was left unfinished: this run's new sweep covers all it had left, so it is closed "
+            "as abandoned",
+        )
+    return None
+
+
+def _create(cur, spec: SweepSpec, base: dict[str, Any], plan) -> dict[str, Any]:
+    """A new sweep, planned and split into its ranges."""
+    cur.execute(
+        sql("common/sweep_create"),
+        {**base, "resumable": spec.resumable, "params": json.dumps(spec.params)},
+    )
+    sweep = fetch_one_dict(cur)
+    total, inner = plan(cur, sweep)
+    bounds = [None, *inner, None]
+    ranges = [(lo, hi, None) for lo, hi in zip(bounds, bounds[1:])]
+    if spec.rotate:
+        ranges = _rotate_to_resume_point(cur, spec, base, sweep, ranges)
+    base = {**base, "sweep_id": sweep["sweep_id"], "planned_rows": total // len(ranges)}
+    for i, (lower, upper, wrap_at) in enumerate(ranges):
+        bounds = {"lower_id": lower, "upper_id": upper, "wrap_at": wrap_at}
+        cur.execute(sql("common/range_insert"), {**base, **bounds, "range_no": i})
+    log.info(
+        "sweep %s (%s) planned: %d rows in %d range(s)",
+        sweep["sweep_id"],
+        spec.scope,
+        total,
+        len(ranges),
+    )
+    return {**sweep, "adopted": False}
+
+
+def _rotate_to_resume_point(cur, spec: SweepSpec, base: dict[str, Any], sweep, ranges) -> list:
+    """The new sweep's ranges in the order that starts where the family's previous sweep
+    stopped, when that one was abandoned unfinished (see :func:`rotated`)."""
+    cur.execute(sql("common/sweep_resume_point"), {**base, "sweep_id": sweep["sweep_id"]})
+    resume = fetch_one_dict(cur)
+    if resume is None:
+        return ranges
+    log.info(
+        "sweep %s (%s) starts after %s, where the unfinished sweep %s stopped: "
+        "the rows it did not reach go first",
+        sweep["sweep_id"],
+        spec.scope,
+        resume["resume_after"],
+        resume["sweep_id"],
+    )
+    return rotated([r[:2] for r in ranges], resume["resume_after"])
+
+
+def _adopt_others(cur, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """Adopt the job's unfinished resumable sweeps of other scopes, oldest first."""
+    cur.execute(sql("common/sweep_adopt_unfinished"), base)
+    others = sorted(fetch_dicts(cur), key=lambda s: (s["started_at"], s["sweep_id"]))
+    for other in others:
+        other["adopted"] = True
+        cur.execute(sql("common/sweep_adopt_ranges"), {**base, "sweep_id": other["sweep_id"]})
+        log.info(
+            "sweep %s (%s) is unfinished: this run resumes it after its own",
+            other["sweep_id"],
+            other["scope"],
+        )
+    return others
 
 
 def rotated(pairs: list[tuple[str | None, str | None]], start: str) -> list:
@@ -291,21 +317,52 @@ def _descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Batch:
-    """What one batch did; ``last_id`` is the new cursor (None: nothing was read)."""
+class Counters:
+    """What a batch, a range or a run did: the counters of ``pin_nightly.sweep_range`` (its
+    checkpoints' parameters, the run totals' columns) and of a range task's result."""
 
-    last_id: str | None
-    full: bool
-    processed: int = 0
-    changed: int = 0
-    written: int = 0
-    item_errors: int = 0
+    batches: int = 0
+    processed: int = 0  # rows worked (reconciled, recomputed)
+    changed: int = 0  # rows whose value the job corrected (comments_count, popularity_score)
+    written: int = 0  # other rows written (popularity snapshots)
+    skipped_locked: int = 0  # rows skipped because someone else held their lock
+    item_errors: int = 0  # rows a batch could not write (pin_nightly.item_error)
+    retried: int = 0  # skipped rows taken on the end-of-range retry (not stored)
+
+    def __add__(self, other: Counters) -> Self:
+        """These counters plus ``other``'s (a subclass keeps its other fields)."""
+        return replace(self, **{k: v + getattr(other, k) for k, v in self.as_params().items()})
+
+    def as_params(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(Counters)}
+
+    def attributes(self, prefix: str, omit: tuple[str, ...]) -> dict[str, int]:
+        """Span attributes ``<prefix>.<counter>`` (processed: ``rows``, changed:
+        ``updated_count``, the spec's name)."""
+        span = {"processed": "rows", "changed": "updated_count"}
+        return {
+            f"{prefix}.{span.get(k, k)}": v for k, v in self.as_params().items() if k not in omit
+        }
+
+
+@dataclass
+class Batch:
+    """What one batch did: its counters (but ``batches``, ``skipped_locked``), the new cursor
+    ``last_id`` (None: nothing was read), whether it was full, the rows it skipped (locked)."""
+
+    counters: Counters
+    last_id: str | None = None
+    full: bool = False
     skipped_ids: list[str] = field(default_factory=list)
 
+    def checkpoint(self) -> Counters:
+        """What the batch adds to its range's counters."""
+        return replace(self.counters, batches=1, skipped_locked=len(self.skipped_ids))
 
-# batch(cur, after_id, upper_id, limit, only_ids) -> Batch. With only_ids the batch takes exactly
-# those rows, waiting for their locks (bounded by lock_timeout), instead of skipping locked ones.
-BatchFn = Callable[[Any, "str | None", "str | None", int, "list[str] | None"], Batch]
+    def retaken(self) -> Counters:
+        """What a retry adds to its range's counters: the rows it took are no longer skipped."""
+        taken = self.counters.processed
+        return replace(self.counters, skipped_locked=-taken, retried=taken)
 
 
 # SQLSTATE classes of an error that one row causes (a domain trigger raising, a constraint, bad
@@ -332,6 +389,7 @@ def isolate_items(
     apply each row on its own instead, each under a savepoint, and record the rows that fail
     in ``pin_nightly.item_error`` (logged as ``item failed``). Returns what ``apply`` returned
     for the rows that were written, and the ids that failed."""
+    record = {"job": job, "run_id": run_id, "sweep_id": sweep_id}
     cur.execute(sql("common/savepoint_item"))
     try:
         out = apply(ids)
@@ -353,18 +411,10 @@ def isolate_items(
                 raise
             cur.execute(sql("common/rollback_to_item"))
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            log.error("item failed: %s=%s sqlstate=%s: %s", item, item_id, sqlstate(exc), message)
-            cur.execute(
-                sql("common/item_error_record"),
-                {
-                    "job": job,
-                    "run_id": run_id,
-                    "sweep_id": sweep_id,
-                    "item_id": item_id,
-                    "sqlstate": sqlstate(exc),
-                    "message": message,
-                },
-            )
+            state = sqlstate(exc)
+            log.error("item failed: %s=%s sqlstate=%s: %s", item, item_id, state, message)
+            error = {"item_id": item_id, "sqlstate": state, "message": message}
+            cur.execute(sql("common/item_error_record"), {**record, **error})
             failed.append(item_id)
         else:
             cur.execute(sql("common/release_item"))
@@ -397,18 +447,13 @@ class GracefulStop(RuntimeError):
     """Raised after a graceful stop so that Airflow records the task as not finished."""
 
 
-@dataclass
-class RangeResult:
+@dataclass(kw_only=True)
+class RangeResult(Counters):
+    """What a range task did: its counters, where its cursor is, and how it ended."""
+
     sweep_id: int
     range_no: int
     status: str  # done | interrupted | stopped | superseded
-    batches: int = 0
-    processed: int = 0
-    changed: int = 0
-    written: int = 0
-    skipped_locked: int = 0
-    item_errors: int = 0
-    retried: int = 0
     cursor_id: str | None = None
     superseded_by: str | None = None
 
@@ -436,102 +481,140 @@ def run_range(
     rng: dict[str, Any],
     lease: leases.Lease,
     batch_size: int,
-    batch: BatchFn,
+    job: SweepJob,
     retry_lock_timeout_ms: int = 1000,
     on_batch: Callable[[Batch], None] | None = None,
     stop: StopSignal | None = None,
 ) -> RangeResult:
-    """Work through one range, batch by batch, from its saved cursor.
+    """Work through one range, batch by batch (``job.batch``), from its saved cursor.
 
     Stops before a batch when the run's deadline has passed (``interrupted``: the next run
     resumes) or when a stop was requested. Rows skipped because locked are retried once at the
-    end of the range with a short ``lock_timeout``. A range that is no longer the acquisition's
-    (adopted by a later run, its sweep abandoned or closed) is left alone: ``superseded``.
+    end of the range with a short ``lock_timeout`` (``job.retry``). A range that is no longer
+    the acquisition's (adopted by a later run, its sweep abandoned or closed) is left alone:
+    ``superseded``.
     """
-    key = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"], "owner": lease.holder}
+    ids = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
+    key = {**ids, "owner": lease.holder}
+    work = _Range(conn, job, lease, key, rng.get("label", key), rng.get("budget_share", 1.0))
     row = get_range(conn, rng)
-    res = RangeResult(
-        sweep_id=rng["sweep_id"],
-        range_no=rng["range_no"],
-        status="done",
-        cursor_id=row["cursor_id"],
-    )
+    res = RangeResult(**ids, status="done", cursor_id=row["cursor_id"])
     why = superseded(row, lease.holder)
     if why is not None:
-        res.status, res.superseded_by = "superseded", why
-        log.warning("range %s: %s; nothing written", rng.get("label", key), why)
-        return res
+        log.warning("range %s: %s; nothing written", work.label, why)
+        return replace(res, status="superseded", superseded_by=why)
     if row["status"] == "done":
-        log.info("range %s is already done", rng.get("label", key))
+        log.info("range %s is already done", work.label)
         return res
-    # a range that starts at wrap_at works (wrap_at, upper], then wraps to (lower, wrap_at]
+    stop = stop or StopSignal()
+    res, skipped = _work_batches(work, row, batch_size, stop, on_batch, res)
+    if res.status == "done":
+        res += _retry_skipped(work, skipped, retry_lock_timeout_ms)
+        with transaction(conn) as cur:
+            work.update(cur, "common/range_done", why="taken over by someone else")
+    if stop.requested:
+        res.status = "stopped"
+    return res
+
+
+@dataclass
+class _Range:
+    """A range being worked by an acquisition: what each of its transactions needs."""
+
+    conn: Any
+    job: SweepJob
+    lease: leases.Lease
+    key: dict[str, Any]  # sweep_id, range_no, owner: every write is conditional on them
+    label: Any
+    share: float  # of the run's time budget, that the range's pass may use
+
+    def update(self, cur, statement, params=None, why="taken over or closed by someone else"):
+        """A write to the range row, only while it is the acquisition's (and its sweep open)."""
+        cur.execute(sql(statement), {**(params or {}), **self.key})
+        if cur.fetchone() is None:
+            raise RuntimeError(f"range {self.key} was {why}")
+
+    def batch(self, cursor: str | None, upper: str | None, limit: int) -> tuple[Batch | None, bool]:
+        """One batch transaction (fencing, the job's batch, the checkpoint): the batch (None: past
+        the run's deadline, nothing done), and whether the lease is due for renewal."""
+        with (
+            tracing.span("batch", _batch_start, cursor, limit) as span,
+            transaction(self.conn) as cur,
+        ):
+            cur.execute(sql("common/async_commit"))
+            past_deadline, renew_due = leases.fence(cur, self.lease, self.share)
+            b = None if past_deadline else self.job.batch(cur, cursor, upper, limit)
+            if b is not None and b.last_id is not None:
+                params = {**b.checkpoint().as_params(), "cursor_id": b.last_id}
+                why = "taken over or closed by someone else: batch rolled back"
+                self.update(cur, "common/range_advance", params, why)
+            tracing.set_result(span, _batch_attributes, b)
+        if b is None:
+            log.warning(
+                "max run duration reached%s: range %s stops at cursor %s; the next run "
+                "resumes from it",
+                f" (this pass's share, {self.share:.0%})" if self.share < 1 else "",
+                self.label,
+                cursor,
+            )
+        return b, renew_due
+
+    def retry(self, row_id: str, timeout_ms: int) -> Counters | None:
+        """The end-of-range retry of one skipped row, in its own transaction, waiting at most
+        ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline)."""
+        with (
+            tracing.span("retry_locked_row", _retry_start, row_id) as span,
+            transaction(self.conn) as cur,
+        ):
+            cur.execute(sql("common/async_commit"))
+            if leases.fence(cur, self.lease, self.share)[0]:
+                return None
+            cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
+            b = self.job.retry(cur, [row_id])
+            tracing.set_result(span, _batch_attributes, b)
+            taken = b.retaken()
+            self.update(cur, "common/range_retried", taken.as_params())
+        return taken
+
+
+def _resume_point(row: dict[str, Any]) -> tuple[str | None, str | None, bool]:
+    """Where a range goes on: ``(cursor, upper, wrapped)``. A range that starts at ``wrap_at``
+    works ``(wrap_at, upper]``, then wraps to ``(lower, wrap_at]``."""
     wrap_at = row["wrap_at"]
     if wrap_at is not None and not row["wrapped"]:
-        cursor, upper = row["cursor_id"] or wrap_at, row["upper_id"]
-    else:
-        cursor, upper = row["cursor_id"] or row["lower_id"], wrap_at or row["upper_id"]
-    wrapped = wrap_at is None or row["wrapped"]
-    share = rng.get("budget_share", 1.0)
+        return row["cursor_id"] or wrap_at, row["upper_id"], False
+    return row["cursor_id"] or row["lower_id"], wrap_at or row["upper_id"], True
+
+
+def _work_batches(
+    work: _Range, row: dict[str, Any], batch_size: int, stop, on_batch, res: RangeResult
+) -> tuple[RangeResult, list[str]]:
+    """The range's batches from its cursor to its end, the deadline or a stop; the rows skipped."""
+    cursor, upper, wrapped = _resume_point(row)
     skipped: list[str] = []
-    stop = stop or StopSignal()
     while True:
         if stop.requested:
             res.status = "stopped"
             break
         started = time.monotonic()
-        with (
-            tracing.span("batch", _batch_start, cursor, batch_size) as span,
-            transaction(conn) as cur,
-        ):
-            cur.execute(sql("common/async_commit"))
-            past_deadline, renew_due = leases.fence(cur, lease, share)
-            b = None if past_deadline else batch(cur, cursor, upper, batch_size, None)
-            if b is not None and b.last_id is not None:
-                cur.execute(
-                    sql("common/range_advance"),
-                    {
-                        **key,
-                        "cursor_id": b.last_id,
-                        "processed": b.processed,
-                        "changed": b.changed,
-                        "written": b.written,
-                        "skipped": len(b.skipped_ids),
-                        "item_errors": b.item_errors,
-                    },
-                )
-                if cur.fetchone() is None:
-                    raise RuntimeError(
-                        f"range {key} was taken over or closed by someone else: batch rolled back"
-                    )
-            tracing.set_result(span, _batch_attributes, b)
+        b, renew_due = work.batch(cursor, upper, batch_size)
         if b is None:
             res.status = "interrupted"
-            log.warning(
-                "max run duration reached%s: range %s stops at cursor %s; the next run "
-                "resumes from it",
-                f" (this pass's share, {share:.0%})" if share < 1 else "",
-                rng.get("label", key),
-                cursor,
-            )
             break
         if renew_due:
-            leases.renew(conn, lease)
+            leases.renew(work.conn, work.lease)
         if b.last_id is not None:
             cursor = b.last_id
             skipped.extend(b.skipped_ids)
-            res.batches += 1
-            res.processed += b.processed
-            res.changed += b.changed
-            res.written += b.written
-            res.item_errors += b.item_errors
-            res.skipped_locked += len(b.skipped_ids)
+            done = b.checkpoint()
+            res += done
             log.info(
-                "batch processed: range=%s rows=%d changed=%d skipped_locked=%d "
-                "cursor=%s lock_ms=%.1f",
-                rng.get("label", key),
-                b.processed,
-                b.changed,
-                len(b.skipped_ids),
+                "batch processed: range=%s rows=%d changed=%d skipped_locked=%d cursor=%s "
+                "lock_ms=%.1f",
+                work.label,
+                done.processed,
+                done.changed,
+                done.skipped_locked,
                 cursor,
                 (time.monotonic() - started) * 1000,
             )
@@ -540,26 +623,12 @@ def run_range(
         if not b.full:
             if wrapped:
                 break
-            with transaction(conn) as cur:
-                cur.execute(sql("common/range_wrap"), key)
-                if cur.fetchone() is None:
-                    raise RuntimeError(f"range {key} was taken over or closed by someone else")
-            wrapped, cursor, upper = True, row["lower_id"], wrap_at
-            log.info(
-                "range %s: reached its end, continues from its start to %s",
-                rng.get("label", key),
-                upper,
-            )
+            with transaction(work.conn) as cur:
+                work.update(cur, "common/range_wrap")
+            wrapped, cursor, upper = True, row["lower_id"], row["wrap_at"]
+            log.info("range %s: reached its end, continues from its start to %s", work.label, upper)
     res.cursor_id = cursor
-    if res.status == "done":
-        _retry_skipped(conn, key, lease, share, batch, skipped, retry_lock_timeout_ms, res)
-        with transaction(conn) as cur:
-            cur.execute(sql("common/range_done"), key)
-            if cur.fetchone() is None:
-                raise RuntimeError(f"range {key} was taken over by someone else")
-    if stop.requested:
-        res.status = "stopped"
-    return res
+    return res, skipped
 
 
 def _batch_start(after_id: str | None, batch_size: int) -> dict[str, Any]:
@@ -573,73 +642,42 @@ def _retry_start(row_id: str) -> dict[str, Any]:
 def _batch_attributes(b: Batch | None) -> dict[str, Any]:
     if b is None:
         return {"pin.batch.stopped_at_deadline": True}
-    return {
-        "pin.batch.rows": b.processed,
-        "pin.batch.updated_count": b.changed,
-        "pin.batch.written": b.written,
-        "pin.batch.skipped_locked": len(b.skipped_ids),
-        "pin.batch.item_errors": b.item_errors,
-        "pin.batch.cursor": b.last_id,
-    }
+    attributes = b.checkpoint().attributes("pin.batch", omit=("batches", "retried"))
+    return {**attributes, "pin.batch.cursor": b.last_id}
 
 
-def _retry_skipped(
-    conn,
-    key,
-    lease,
-    share: float,
-    batch: BatchFn,
-    skipped: list[str],
-    timeout_ms: int,
-    res: RangeResult,
-) -> None:
-    """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock."""
+def _retry_skipped(work: _Range, skipped: list[str], timeout_ms: int) -> Counters:
+    """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock; return
+    what the rows taken add to the range's counters."""
+    done = Counters()
     for row_id in skipped:
         try:
-            with (
-                tracing.span("retry_locked_row", _retry_start, row_id) as span,
-                transaction(conn) as cur,
-            ):
-                cur.execute(sql("common/async_commit"))
-                if leases.fence(cur, lease, share)[0]:
-                    break
-                cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
-                b = batch(cur, None, None, 1, [row_id])
-                tracing.set_result(span, _batch_attributes, b)
-                cur.execute(
-                    sql("common/range_retried"),
-                    {
-                        **key,
-                        "processed": b.processed,
-                        "changed": b.changed,
-                        "written": b.written,
-                        "item_errors": b.item_errors,
-                    },
-                )
-                if cur.fetchone() is None:
-                    raise RuntimeError(f"range {key} was taken over or closed by someone else")
+            taken = work.retry(row_id, timeout_ms)
         except Exception as exc:  # noqa: BLE001 - only a lock timeout is expected here
             if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
             log.info("row %s is still locked: left for the next run", row_id)
             continue
-        res.retried += b.processed
-        res.skipped_locked -= b.processed
-        res.processed += b.processed
-        res.changed += b.changed
-        res.written += b.written
-        res.item_errors += b.item_errors
+        if taken is None:
+            break
+        done += taken
+    return done
 
 
 def run_totals(conn, job: str, owner: str) -> list[dict[str, Any]]:
+    """What the acquisition ``owner`` did, per sweep: the sweep and its ``counters``."""
     with transaction(conn) as cur:
         cur.execute(sql("common/run_totals"), {"job": job, "owner": owner})
-        return fetch_dicts(cur)
+        rows = fetch_dicts(cur)
+    for r in rows:
+        r["counters"] = Counters(**{f.name: r.pop(f.name) for f in fields(Counters) if f.name in r})
+    return rows
 
 
-def finish_run(conn, job: str, owner: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def finish_run(conn, job: str, owner: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Close the job's sweeps whose ranges are all done; return what the acquisition ``owner``
-    did, per sweep, and the sweeps still unfinished after it (the backlog)."""
+    did, per sweep (see :func:`run_totals`), and the sweeps still unfinished after it (the
+    backlog), e.g. ``FullSweep (sweep 12)``."""
     totals = run_totals(conn, job, owner)
     with transaction(conn) as cur:
         cur.execute(sql("common/sweep_close_finished"), {"job": job, "keep_owner": None})
@@ -649,7 +687,7 @@ def finish_run(conn, job: str, owner: str) -> tuple[list[dict[str, Any]], list[d
     for t in totals:
         if t["sweep_id"] in closed:
             t["sweep_status"] = "done"
-    return totals, unfinished
+    return totals, [f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished]
 
 
 def write_run_log(

@@ -11,7 +11,7 @@ on its own) takes it again for its run unless another run holds it (:func:`rejoi
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pin_nightly.db import fetch_one_dict, sql, transaction
@@ -50,7 +50,8 @@ class Lease:
 
     @classmethod
     def from_xcom(cls, data: dict[str, Any]) -> Lease:
-        return cls(**data)
+        """The lease in ``data`` (its other keys are ignored)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -195,46 +196,9 @@ def plan_ranges(
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
     scope = opts["effective_scope"]
-    candidate_mode = scope != "FullSweep"
-
-    def prepare(cur, sweep):
-        if scope == "DailyWindow":
-            cutoff = _window_cutoff(cur, opts)
-            cur.execute(
-                sql("news/window_candidates"), {"sweep_id": sweep["sweep_id"], "cutoff": cutoff}
-            )
-            log.info(
-                "DailyWindow: %d candidate posts with comment activity since %s",
-                cur.rowcount,
-                cutoff.isoformat(),
-            )
-            cur.execute(
-                sql("common/sweep_set_params"),
-                {
-                    "sweep_id": sweep["sweep_id"],
-                    "params": json.dumps({"cutoff": cutoff.isoformat()}),
-                },
-            )
-        elif scope == "Targeted":
-            cur.execute(
-                sql("news/targeted_candidates"),
-                {"sweep_id": sweep["sweep_id"], "post_ids": opts["post_ids"]},
-            )
-        if candidate_mode:
-            cur.execute(sql("news/analyze_candidates"))
-
-    def plan(cur, sweep):
-        source = sql("news/candidate_source" if candidate_mode else "news/full_source")
-        return keyset.boundaries(
-            cur,
-            source.strip(),
-            {"sweep_id": sweep["sweep_id"]},
-            opts["batch_size"],
-            opts["max_ranges"],
-        )
-
+    job = Reconcile(opts, None, run_id, candidate_mode=scope != "FullSweep")
     with connection(JOB.conn_id) as conn:
-        sweep = keyset.open_sweep(conn, sweep_spec(opts), lease, run_id, plan, prepare)
+        sweep = keyset.open_sweep(conn, sweep_spec(opts), lease, run_id, job.plan)
     ranges = keyset.range_descriptors(sweep, scope)
     cursors = {
         f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
@@ -276,37 +240,73 @@ def sweep_spec(opts: dict[str, Any]) -> keyset.SweepSpec:
     )
 
 
-def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode: bool):
-    lock_sql = sql("news/candidate_lock" if candidate_mode else "news/full_lock")
-    dry_run = opts["dry_run"]
+@dataclass
+class Reconcile(keyset.SweepJob):
+    """The reconcile of one sweep's posts: every post of the scope (FullSweep), or the sweep's
+    candidates (``candidate_mode``: a DailyWindow's, a targeted repair's)."""
 
-    def batch(cur, after_id, upper_id, limit, only_ids):
-        if only_ids:
-            cur.execute(sql("news/ids_lock"), {"ids": only_ids})
-        else:
-            cur.execute(
-                lock_sql,
-                {"sweep_id": sweep_id, "after_id": after_id, "upper_id": upper_id, "limit": limit},
+    candidate_mode: bool
+
+    def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
+        """Collect a DailyWindow's or a targeted repair's candidates; split the posts."""
+        scope, sweep_id = self.opts["effective_scope"], sweep["sweep_id"]
+        if scope == "DailyWindow":
+            cutoff = _window_cutoff(cur, self.opts)
+            cur.execute(sql("news/window_candidates"), {"sweep_id": sweep_id, "cutoff": cutoff})
+            log.info(
+                "DailyWindow: %d candidate posts with comment activity since %s",
+                cur.rowcount,
+                cutoff.isoformat(),
             )
+            cur.execute(
+                sql("common/sweep_set_params"),
+                {"sweep_id": sweep_id, "params": json.dumps({"cutoff": cutoff.isoformat()})},
+            )
+        elif scope == "Targeted":
+            cur.execute(
+                sql("news/targeted_candidates"),
+                {"sweep_id": sweep_id, "post_ids": self.opts["post_ids"]},
+            )
+        if self.candidate_mode:
+            cur.execute(sql("news/analyze_candidates"))
+        source = sql("news/candidate_source" if self.candidate_mode else "news/full_source")
+        return keyset.boundaries(
+            cur,
+            source.strip(),
+            {"sweep_id": sweep_id},
+            self.opts["batch_size"],
+            self.opts["max_ranges"],
+        )
+
+    def batch(self, cur, after_id, upper_id, limit: int) -> keyset.Batch:
+        cur.execute(
+            sql("news/candidate_lock" if self.candidate_mode else "news/full_lock"),
+            {"sweep_id": self.sweep_id, "after_id": after_id, "upper_id": upper_id, "limit": limit},
+        )
+        return self._reconcile(cur, limit)
+
+    def retry(self, cur, ids: list[str]) -> keyset.Batch:
+        cur.execute(sql("news/ids_lock"), {"ids": ids})
+        return self._reconcile(cur, 1)
+
+    def _reconcile(self, cur, limit: int) -> keyset.Batch:
+        """Recount the posts the lock statement just locked; correct and record the drifted."""
         got = fetch_one_dict(cur)
         if not got["n_read"]:
-            return keyset.Batch(last_id=None, full=False)
+            return keyset.Batch(keyset.Counters())
         locked = list(got["locked_ids"])
         held = set(locked)
         skipped = [i for i in got["suspect_ids"] if i not in held]
-        drift: list[dict[str, Any]] = []
-        failed: list[str] = []
+        drift, failed, dry_run = [], [], self.opts["dry_run"]
         if locked:
 
             def apply(ids: list[str]) -> list[dict[str, Any]]:
-                cur.execute(
-                    sql("news/apply"),
-                    {"ids": ids, "dry_run": dry_run, "sweep_id": sweep_id, "run_id": run_id},
-                )
+                params = {"ids": ids, "dry_run": dry_run, "sweep_id": self.sweep_id}
+                cur.execute(sql("news/apply"), {**params, "run_id": self.run_id})
                 return fetch_dicts(cur)
 
             drift, failed = keyset.isolate_items(
-                cur, locked, apply, JOB.code, run_id, sweep_id, "post_id"
+                cur, locked, apply, JOB.code, self.run_id, self.sweep_id, "post_id"
             )
         if skipped and not dry_run:
             cur.execute(sql("news/skipped_record"), {"ids": skipped})
@@ -319,24 +319,26 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
                 d["count_to"],
             )
         # reconciled: every eligible post read, except those left locked by someone else
+        processed = got["n_eligible"] - len(skipped) - len(failed)
         return keyset.Batch(
+            keyset.Counters(processed=processed, changed=len(drift), item_errors=len(failed)),
             last_id=got["last_id"],
             full=got["n_read"] >= limit,
-            processed=got["n_eligible"] - len(skipped) - len(failed),
-            changed=len(drift),
-            item_errors=len(failed),
             skipped_ids=skipped,
         )
 
-    return batch
+
+def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode: bool) -> Reconcile:
+    """The reconcile of the ranges of sweep ``sweep_id`` (what a range task runs)."""
+    return Reconcile(opts, sweep_id, run_id, candidate_mode)
 
 
 def reconcile_range(
     rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
 ) -> dict[str, Any]:
     """One mapped task: reconcile a keyset range batch by batch from its cursor."""
-    batch = make_batch(opts, rng["sweep_id"], run_id, candidate_mode=rng["family"] != "FullSweep")
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], batch, run_id)
+    job = make_batch(opts, rng["sweep_id"], run_id, candidate_mode=rng["family"] != "FullSweep")
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id)
 
 
 def summarize(
@@ -349,22 +351,16 @@ def summarize(
     """
     lease = lease_from_xcom(lease_data)
     result: dict[str, Any] = {
-        "status": "success",
+        **jobs.new_result(opts, run_id),
         "scope": opts["effective_scope"],
-        "dry_run": opts["dry_run"],
         "posts_reconciled": 0,
         "drift_corrected": 0,
         "drift_found": 0,
         "batches_processed": 0,
         "last_post_id": None,
-        "backlog_remaining": False,
-        "duration_ms": 0,
         "posts_skipped_locked": 0,
-        "item_errors": 0,
         "sweep_id": None,
-        "run_id": run_id,
         "sweeps": [],
-        "unfinished_sweeps": [],
     }
     completed: dict[str, float] = {}
     with connection(JOB.conn_id) as conn:
@@ -372,34 +368,29 @@ def summarize(
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
         else:
-            totals, unfinished = keyset.finish_run(conn, JOB.code, lease.holder)
+            totals, result["unfinished_sweeps"] = keyset.finish_run(conn, JOB.code, lease.holder)
             for t in totals:
                 if t["scope"] == sweep_spec(opts).scope:
                     result["sweep_id"] = t["sweep_id"]
                 result["sweeps"].append(
                     {
-                        k: t[k]
-                        for k in (
-                            "sweep_id",
-                            "scope",
-                            "sweep_status",
-                            "rows_processed",
-                            "rows_changed",
-                        )
+                        **{k: t[k] for k in ("sweep_id", "scope", "sweep_status")},
+                        "rows_processed": t["counters"].processed,
+                        "rows_changed": t["counters"].changed,
                     }
                 )
-                result["posts_reconciled"] += t["rows_processed"]
-                result["drift_found"] += t["rows_changed"]
-                result["batches_processed"] += t["batches"]
-                result["posts_skipped_locked"] += t["skipped_locked"]
-                result["item_errors"] += t["item_errors"]
                 result["last_post_id"] = max(
                     filter(None, [result["last_post_id"], t["last_id"]]), default=None
                 )
-            result["unfinished_sweeps"] = [
-                f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished
-            ]
-            result["backlog_remaining"] = bool(unfinished)
+            total = sum((t["counters"] for t in totals), keyset.Counters())
+            result.update(
+                posts_reconciled=total.processed,
+                drift_found=total.changed,
+                batches_processed=total.batches,
+                posts_skipped_locked=total.skipped_locked,
+                item_errors=total.item_errors,
+                backlog_remaining=bool(result["unfinished_sweeps"]),
+            )
             # a dry run finds drift and corrects none
             result["drift_corrected"] = 0 if opts["dry_run"] else result["drift_found"]
             result["duration_ms"] = elapsed_ms(lease)

@@ -52,7 +52,7 @@ UPDATE pin_nightly.sweep_range
        rows_processed = rows_processed + %(processed)s,
        rows_changed   = rows_changed + %(changed)s,
        batches        = batches + 1,
-       skipped_locked = skipped_locked + %(skipped)s,
+       skipped_locked = skipped_locked + %(skipped_locked)s,
        item_errors    = item_errors + %(item_errors)s,
        rows_written   = rows_written + %(written)s,
        updated_at     = clock_timestamp()
@@ -91,16 +91,17 @@ UPDATE pin_nightly.sweep_range
 RETURNING range_no
 
 -- name: run_totals
--- What this acquisition did, from the counters of the ranges it owned.
+-- What this acquisition did, from the counters of the ranges it owned (named as the fields of
+-- pin_nightly.keyset.Counters).
 SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
        count(*)                                   AS ranges,
        count(*) FILTER (WHERE r.status = 'done')  AS ranges_done,
-       coalesce(sum(r.rows_processed), 0)::bigint AS rows_processed,
-       coalesce(sum(r.rows_changed), 0)::bigint   AS rows_changed,
+       coalesce(sum(r.rows_processed), 0)::bigint AS processed,
+       coalesce(sum(r.rows_changed), 0)::bigint   AS changed,
        coalesce(sum(r.batches), 0)::bigint        AS batches,
        coalesce(sum(r.skipped_locked), 0)::bigint AS skipped_locked,
        coalesce(sum(r.item_errors), 0)::bigint    AS item_errors,
-       coalesce(sum(r.rows_written), 0)::bigint   AS rows_written,
+       coalesce(sum(r.rows_written), 0)::bigint   AS written,
        max(r.cursor_id::text)                     AS last_id
   FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
  WHERE s.job = %(job)s AND r.owner = %(owner)s
