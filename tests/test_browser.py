@@ -24,6 +24,7 @@ from urllib.parse import quote, unquote
 import psycopg
 import pytest
 
+from pin_nightly.keyset import range_label
 from tests import helpers
 from tests.conftest import SUFFIX
 from tools import devenv
@@ -411,7 +412,10 @@ def test_fullsweep_from_the_form_shows_labelled_ranges_and_the_summary(
         "WHERE sweep_id = %s ORDER BY range_no",
         sweep,
     )
-    labels = [f"FullSweep#{n} ({(lo or 'start')[:8]}..{(hi or 'end')[:8]}]" for n, lo, hi in ranges]
+    labels = [
+        range_label({"prefix": "FullSweep", "range_no": n, "lower_id": lo, "upper_id": hi})
+        for n, lo, hi in ranges
+    ]
     assert len(labels) == 3
 
     # the grid's mapped task lists the ranges by their labels

@@ -75,11 +75,26 @@ def test_run_instant():
     assert jobs.run_instant(None, after) == after
 
 
+V7_2024 = "0190a000-0000-7000-8000-000000000000"  # uuid v7 of 2024-07-11 04:14:32.960 UTC
+V7_2026 = "019b76da-a83a-7b33-bda8-46e4cf58440c"  # 2026-01-01 00:00:00.058 UTC
+
+
 @pytest.mark.parametrize(
     "lower,upper,label",
     [
         (None, None, "FullSweep#0 (start..end]"),
-        ("019b76da-a83a-7b33-bda8-46e4cf58440c", None, "FullSweep#0 (019b76da..end]"),
+        # uuid v7: the time span the range covers, as precise as it takes to tell its ends apart
+        (V7_2026, None, "FullSweep#0 (2026-01-01..end]"),
+        (None, V7_2024, "FullSweep#0 (start..2024-07-11]"),
+        (V7_2024, V7_2026, "FullSweep#0 (2024-07-11..2026-01-01]"),
+        (
+            V7_2026,
+            "019b76da-c02b-7000-8000-000000000000",
+            "FullSweep#0 (2026-01-01 00:00:00..00:00:06]",
+        ),
+        (V7_2026, "019b770e-1c3a-7000-8000-000000000000", "FullSweep#0 (2026-01-01 00:00..00:56]"),
+        # other ids: their first 8 hex digits
+        (V7_2026, "3f2504e0-4f89-41d3-9a0c-0305e82c3301", "FullSweep#0 (019b76da..3f2504e0]"),
     ],
 )
 def test_range_labels(lower, upper, label):

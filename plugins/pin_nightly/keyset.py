@@ -21,8 +21,10 @@ import math
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from datetime import UTC, datetime
 from typing import Any, Self
 
 from pin_nightly import lease as leases
@@ -72,9 +74,38 @@ class SweepSpec:
         )
 
 
+def _v7_instant(value: str) -> datetime | None:
+    """The creation time a uuid v7 carries (its first 48 bits, unix ms); None for another id."""
+    try:
+        u = uuid.UUID(value)
+    except ValueError:
+        return None
+    return datetime.fromtimestamp((u.int >> 80) / 1000, UTC) if u.version == 7 else None
+
+
+# ever finer, until the two ends of a range read differently; the upper end drops the date
+# when both ends share it
+_PRECISIONS = ("%Y-%m-%d", "%Y-%m-%d %H:%M", "%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M:%S.%f")
+
+
 def range_label(rng: dict[str, Any]) -> str:
-    lo = (rng.get("lower_id") or "start")[:8]
-    hi = (rng.get("upper_id") or "end")[:8]
+    """The range as the UI lists it: ``FullSweep#1 (2025-11-03..2026-01-17]``, the time span
+    its uuid v7 bounds cover (``start``/``end`` for an open end), or the bounds' first 8 hex
+    digits for ids that are not v7."""
+    bounds = (rng.get("lower_id"), rng.get("upper_id"))
+    instants = [_v7_instant(b) if b else None for b in bounds]
+    if any(b and t is None for b, t in zip(bounds, instants)):
+        lo, hi = ((b or default)[:8] for b, default in zip(bounds, ("start", "end")))
+    else:
+        for fmt in _PRECISIONS:
+            lo, hi = (t.strftime(fmt) if t else None for t in instants)
+            if lo is None or hi is None or lo != hi:
+                break
+        if fmt.endswith("%f"):  # milliseconds, as the id holds them
+            lo, hi = (x[:-3] if x else x for x in (lo, hi))
+        if lo and hi and lo[:10] == hi[:10] and len(hi) > 10:
+            hi = hi[11:]
+        lo, hi = lo or "start", hi or "end"
     return f"{rng['prefix']}#{rng['range_no']} ({lo}..{hi}]"
 
 
