@@ -76,7 +76,8 @@ with DAG(
     @task(pool=POOL)
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
-        opts = catalog.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
+        instant = jobs.run_instant(logical_date, dag_run.run_after)
+        opts = catalog.validate_options(params, instant, dag_run.run_id)
         catalog.check_as_of_date(opts)
         return opts
 

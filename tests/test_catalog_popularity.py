@@ -174,9 +174,11 @@ def test_poison_rows_are_excluded_and_the_batch_commits(catalog_db, capfd, caplo
     catalog_db.seed_snapshot(good, D - timedelta(days=1), 4)
     catalog_db.seed_snapshot(huge, D - timedelta(days=1), 0)
     capfd.readouterr()
-    s = assert_ok(run())
+    r = run()
+    s = assert_ok(r)
     out = capfd.readouterr()
     text = out.out + out.err + caplog.text
+    assert f"run started: run={r['run_id']} as_of_date={D}" in text  # the log names the run
     assert s["item_errors"] == 3
     assert catalog_db.score(good) == 6
     assert catalog_db.score(huge) == 1  # 10**12 does not fit numeric(12,4): not written

@@ -127,7 +127,9 @@ def card_sql(name: str, kind: str) -> str:
     return sql(f"catalog/{name}").replace("{cards}", KINDS[kind].table)
 
 
-def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str, Any]:
+def validate_options(
+    params: dict[str, Any], run_instant: datetime, run_id: str | None = None
+) -> dict[str, Any]:
     """Check every option and the rules across them; fix as_of_date (``run_instant``'s day in
     UTC). No database access."""
     p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
@@ -144,8 +146,9 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
         "run_tag": jobs.run_tag(),
     }
     log.info(
-        "run started: as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
+        "run started: run=%s as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
         "dry_run=%s card_ids=%d",
+        run_id,
         opts["as_of_date"],
         p["window_days"],
         p["half_life_days"],
