@@ -395,6 +395,81 @@ def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db
     )
 
 
+def test_a_worker_stalled_inside_a_batch_has_its_session_ended_and_its_locks_freed(
+    news_db, tmp_path
+):
+    """A range worker in its own process (session bound idle_in_transaction_session_timeout 1 s,
+    from the connection's options) is stopped (SIGSTOP) while its third batch is in flight:
+    once that batch's statement completes the session is idle inside its transaction, and the
+    server ends it. The batch is rolled back and its row locks are free while the worker is
+    still stopped; the worker, resumed, fails on its dead connection; after the lease's TTL a
+    DAG run adopts the sweep and resumes from the cursor, none corrected twice."""
+    ids = news_db.posts(100, drift_every=1)  # every post drifted by +3
+    install_gate(news_db, "news.posts", ids[25])
+    gate = psycopg.connect(news_db.dsn, autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cfg = {"batch_size": 10, "holder": "stalled-worker/run-1", "run_id": "stalled-run-1"}
+    cfg |= {"ttl": 0.05, "max_run": 0.04}
+    conn = json.loads(os.environ["AIRFLOW_CONN_NEWS_DB"])
+    conn["extra"] = {"options": "-c idle_in_transaction_session_timeout=1s"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(cfg)],
+        env={**os.environ, "AIRFLOW_CONN_NEWS_DB": json.dumps(conn)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid = wait_for(
+            lambda: gate_waiter(news_db) or proc.poll() is not None,
+            timeout=90,
+            what="the worker's third batch at the gate",
+        )
+        assert proc.poll() is None, proc.communicate()
+        os.kill(proc.pid, signal.SIGSTOP)
+        gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))  # the statement completes
+        wait_for(
+            lambda: news_db.one("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s", pid),
+            timeout=15,
+            what="the server to end the idle transaction",
+        )
+        assert proc.poll() is None  # still stopped: the server, not the worker, ended it
+        with psycopg.connect(news_db.dsn) as other:  # the batch's rows are free
+            locked = other.execute(
+                "SELECT count(*) FROM (SELECT 1 FROM news.posts WHERE id = ANY(%s::uuid[]) "
+                "FOR UPDATE NOWAIT) x",
+                (ids[20:30],),
+            ).fetchone()
+        assert locked == (10,)
+        assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == [
+            (ids[19], 2)
+        ]
+        assert sorted(p for p in ids if news_db.count(p) == 2) == ids[:20]
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+        gate.close()
+    assert proc.returncode != 0
+    assert "idle-in-transaction timeout" in err or "closed the connection" in err, err[-2000:]
+    remove_gate(news_db, "news.posts")
+    wait_for(
+        lambda: news_db.one("SELECT bool_and(expires_at <= now()) FROM pin_nightly.job_lease"),
+        timeout=10,
+        what="the stalled worker's lease to expire",
+    )
+    s = assert_ok(run_dag(NEWS, {**FULL, "batch_size": 10, "max_ranges": 1}))
+    assert s["posts_reconciled"] == 80 and s["drift_corrected"] == 80
+    assert news_db.drifted_posts() == 0
+    assert news_db.one("SELECT count(DISTINCT post_id) FROM pin_nightly.news_drift") == 100
+    assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 100
+
+
 # --- 3b. the database connection dropped mid-run ------------------------------------------------
 
 
