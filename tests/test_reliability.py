@@ -304,41 +304,46 @@ WORKER = textwrap.dedent("""
 """).format()
 
 
-def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db, tmp_path):
-    """A range worker in its own process (lease TTL 0.05 min, run budget 0.04 min) commits two
-    batches of 10, then its third batch is held in flight (a trigger waits for an advisory lock
-    the test holds) and the process is SIGKILLed. The orphaned backend is let go: the batch is
-    rolled back (cursor and corrected posts agree: 20), the lease expires by its TTL, and a DAG
-    run adopts the sweep and resumes from the cursor: 80 more posts, none corrected twice."""
+def gated_worker(news_db, tmp_path, name: str, env: dict[str, str] | None = None):
+    """100 drifted posts and a range worker (WORKER, batches of 10, lease TTL 0.05 min, run
+    budget 0.04 min) in its own process, whose third batch is held in flight by a trigger
+    waiting for an advisory lock the test holds. Returns (ids, worker, gate connection,
+    the batch's backend pid) once the batch waits there."""
     ids = news_db.posts(100, drift_every=1)  # every post drifted by +3
     install_gate(news_db, "news.posts", ids[25])
     gate = psycopg.connect(news_db.dsn, autocommit=True)
     gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cfg = {
-        "batch_size": 10,
-        "holder": "killed-worker/run-1",
-        "run_id": "killed-run-1",
-        "ttl": 0.05,
-        "max_run": 0.04,
-    }
+    cfg = {"batch_size": 10, "holder": f"{name}/run-1", "run_id": f"{name}-run-1"}
+    cfg |= {"ttl": 0.05, "max_run": 0.04}
     proc = subprocess.Popen(
         [sys.executable, str(script), json.dumps(cfg)],
-        env=os.environ.copy(),
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    pid = wait_for(
+        lambda: gate_waiter(news_db) or proc.poll() is not None,
+        timeout=90,
+        what="the worker's third batch at the gate",
+    )
+    if proc.poll() is not None:
+        out, err = proc.communicate()
+        gate.close()
+        pytest.fail(f"worker exited early ({proc.returncode}): {out}\n{err[-3000:]}")
+    return ids, proc, gate, pid
+
+
+def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db, tmp_path):
+    """A range worker in its own process (lease TTL 0.05 min, run budget 0.04 min) commits two
+    batches of 10, then its third batch is held in flight (a trigger waits for an advisory lock
+    the test holds) and the process is SIGKILLed. The orphaned backend is let go: the batch is
+    rolled back (cursor and corrected posts agree: 20), the lease expires by its TTL, and a DAG
+    run adopts the sweep and resumes from the cursor: 80 more posts, none corrected twice."""
+    ids, proc, gate, pid = gated_worker(news_db, tmp_path, "killed-worker")
     try:
-        pid = wait_for(
-            lambda: gate_waiter(news_db) or proc.poll() is not None,
-            timeout=90,
-            what="the worker's third batch at the gate",
-        )
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"worker exited early ({proc.returncode}): {out}\n{err[-3000:]}")
         in_flight = news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range")
         assert in_flight == [(ids[19], 2)]
         os.kill(proc.pid, signal.SIGKILL)
@@ -371,7 +376,7 @@ def test_sigkill_mid_batch_rolls_the_batch_back_and_the_next_run_resumes(news_db
     )
     # the lease was not released; it expires by its TTL
     holder, expired = news_db.q("SELECT holder, expires_at <= now() FROM pin_nightly.job_lease")[0]
-    assert holder == cfg["holder"]
+    assert holder == "killed-worker/run-1"
     wait_for(
         lambda: news_db.one("SELECT bool_and(expires_at <= now()) FROM pin_nightly.job_lease"),
         timeout=10,
@@ -404,30 +409,12 @@ def test_a_worker_stalled_inside_a_batch_has_its_session_ended_and_its_locks_fre
     server ends it. The batch is rolled back and its row locks are free while the worker is
     still stopped; the worker, resumed, fails on its dead connection; after the lease's TTL a
     DAG run adopts the sweep and resumes from the cursor, none corrected twice."""
-    ids = news_db.posts(100, drift_every=1)  # every post drifted by +3
-    install_gate(news_db, "news.posts", ids[25])
-    gate = psycopg.connect(news_db.dsn, autocommit=True)
-    gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cfg = {"batch_size": 10, "holder": "stalled-worker/run-1", "run_id": "stalled-run-1"}
-    cfg |= {"ttl": 0.05, "max_run": 0.04}
     conn = json.loads(os.environ["AIRFLOW_CONN_NEWS_DB"])
     conn["extra"] = {"options": "-c idle_in_transaction_session_timeout=1s"}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(cfg)],
-        env={**os.environ, "AIRFLOW_CONN_NEWS_DB": json.dumps(conn)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    ids, proc, gate, pid = gated_worker(
+        news_db, tmp_path, "stalled-worker", {"AIRFLOW_CONN_NEWS_DB": json.dumps(conn)}
     )
     try:
-        pid = wait_for(
-            lambda: gate_waiter(news_db) or proc.poll() is not None,
-            timeout=90,
-            what="the worker's third batch at the gate",
-        )
-        assert proc.poll() is None, proc.communicate()
         os.kill(proc.pid, signal.SIGSTOP)
         gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))  # the statement completes
         wait_for(
