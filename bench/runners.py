@@ -201,9 +201,7 @@ CATALOG_FLOOR = (
     """
 INSERT INTO catalog.popularity_daily_views
        (id, card_kind, card_id, run_date, cumulative_views, created_at)
-SELECT encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) PLACING substring(
-           int8send((extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
-           FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid, *
+SELECT {uuid7_now}, *
   FROM (SELECT 'PropertyObject', id, %(as_of)s::date, popularity_views, clock_timestamp()
           FROM catalog.property_object_cards
          WHERE status IS DISTINCT FROM 'Delisted' AND popularity_views >= 0
@@ -275,7 +273,9 @@ def floor(dsn: str, job: str) -> dict:
         if job == "news":
             changed = conn.execute(NEWS_FLOOR).rowcount
         else:
-            conn.execute(CATALOG_FLOOR[0], p)
+            from pin_nightly.db import sql
+
+            conn.execute(CATALOG_FLOOR[0].replace("{uuid7_now}", sql("common/uuid7_now")), p)
             changed = conn.execute(CATALOG_FLOOR[1], p).fetchone()[0]
         conn.commit()
         dt = time.perf_counter() - t0

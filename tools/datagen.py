@@ -34,6 +34,8 @@ SETTINGS = (
     "SET synchronous_commit = off",
 )
 
+# uuid v7 of instant ts, its random bits from random(), so that seeded data repeats (the ids the
+# jobs and the hot path write come from include/sql/common/uuid7_now.sql, gen_random_uuid())
 UUID7_FN = """
 CREATE FUNCTION pg_temp.uuid7(ts timestamptz) RETURNS uuid LANGUAGE sql VOLATILE AS $$
 SELECT (lpad(to_hex((extract(epoch FROM ts) * 1000)::bigint), 12, '0')

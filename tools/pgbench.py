@@ -46,6 +46,12 @@ ACTIVE = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
 REPORT_LINE = re.compile(r"^\s+([\d.]+)\s+\d+\s+(?:\d+\s+)?(\S.*)$")
 
 
+def _uuid7_now() -> str:
+    from pin_nightly.db import sql
+
+    return sql("common/uuid7_now")
+
+
 def binary() -> str:
     if exe := os.environ.get("PIN_PGBENCH"):
         return exe
@@ -118,7 +124,9 @@ class PgBench:
                     copy.write_row(row)
             conn.execute("ANALYZE hot_path_row")
         self.dir = Path(tempfile.mkdtemp(prefix="pgbench-"))
-        cmd = [binary(), "--no-vacuum", "--protocol=prepared", f"--file={self.script}"]
+        script = self.dir / self.script.name  # with {uuid7_now} put in (include/sql/common)
+        script.write_text(self.script.read_text().replace("{uuid7_now}", _uuid7_now()))
+        cmd = [binary(), "--no-vacuum", "--protocol=prepared", f"--file={script}"]
         cmd += [f"--client={self.clients}", f"--time={self.seconds}", f"--random-seed={self.seed}"]
         cmd += ["--log", f"--log-prefix={self.dir / 'tx'}", "--report-per-command"]
         cmd += ["--verbose-errors", *(f"--define={k}={v}" for k, v in self.variables.items())]

@@ -124,7 +124,8 @@ DRY_RUN_FIELDS = (
 
 
 def card_sql(name: str, kind: str) -> str:
-    return sql(f"catalog/{name}").replace("{cards}", KINDS[kind].table)
+    text = sql(f"catalog/{name}").replace("{cards}", KINDS[kind].table)
+    return text.replace("{uuid7_now}", sql("common/uuid7_now"))
 
 
 def validate_options(

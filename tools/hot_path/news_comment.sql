@@ -4,7 +4,8 @@
 -- transactions hide the comment the client created last, if still visible (a client hides
 -- only its own comments: the data can be put back by deleting the comments created since);
 -- the others create one, on the post in row n of hot_path_row (the nhot hot posts first,
--- picked hot_pct % of the time, then nrest others). Comment ids are uuid v7, as the service's.
+-- picked hot_pct % of the time, then nrest others). Comment ids are uuid v7, as the service's
+-- (include/sql/common/uuid7_now.sql, put in by tools/pgbench.py).
 \set hidden 0
 BEGIN;
 \if random(1, 100) <= :hide_pct
@@ -20,9 +21,7 @@ UPDATE news.posts SET comments_count = comments_count - 1 WHERE id = :mine_post;
 \else
 \set n CASE WHEN random(1, 100) <= :hot_pct THEN random(1, :nhot) ELSE :nhot + random(1, :nrest) END
 INSERT INTO news.comments (id, post_id, status, created_at, updated_at)
-SELECT encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) PLACING substring(
-           int8send((extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
-           FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid, id, 'Visible', now(), now()
+SELECT {uuid7_now}, id, 'Visible', now(), now()
   FROM hot_path_row WHERE n = :n
 RETURNING id AS mine, post_id AS mine_post \gset
 UPDATE news.posts SET comments_count = comments_count + 1 WHERE id = :mine_post;

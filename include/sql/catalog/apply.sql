@@ -9,9 +9,9 @@
 -- finds it. A snapshot without one is a baseline (delta 0); snapshots older than the window
 -- only serve as predecessors (no weight). Scores that do not fit numeric(12,4) are not written
 -- and are returned as poison.
--- A new snapshot's id is time-ordered (uuid v7: the millisecond it is written, then the random
--- bits of a v4), so a night's rows go to the right edge of the primary key's index instead of
--- one random leaf page each (a full-page image in the WAL per page; see bench/RESULTS.md).
+-- A new snapshot's id is time-ordered (uuid v7, common/uuid7_now.sql), so a night's rows go to
+-- the right edge of the primary key's index instead of one random leaf page each (a full-page
+-- image in the WAL per page; see bench/RESULTS.md).
 WITH batch AS (
     SELECT b.card_id, b.views
       FROM unnest(%(ids)s::uuid[], %(views)s::bigint[]) AS b(card_id, views)
@@ -19,9 +19,7 @@ WITH batch AS (
 ), snap AS (
     INSERT INTO catalog.popularity_daily_views
            (id, card_kind, card_id, run_date, cumulative_views, created_at)
-    SELECT encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) PLACING substring(
-               int8send((extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
-               FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid,
+    SELECT {uuid7_now},
            %(kind)s, card_id, %(as_of)s::date, views, clock_timestamp()
       FROM batch
     ON CONFLICT (card_kind, card_id, run_date) DO UPDATE
