@@ -305,8 +305,9 @@ def test_no_credentials_in_the_repository():
 
 SQL_DIRS = ("news", "catalog", "common")
 # Text placeholders substituted on the Python side, and what may be substituted: table names
-# from the constant catalog.KINDS, keyset source queries read from include/sql.
-TEXT_PLACEHOLDERS = {"{cards}", "{source}"}
+# from the constant catalog.KINDS, keyset source queries read from include/sql, the uuid v7
+# expression of include/sql/common/uuid7_now.sql.
+TEXT_PLACEHOLDERS = {"{cards}", "{source}", "{uuid7_now}"}
 
 
 def sql_file_problems(text: str) -> list[str]:
@@ -346,7 +347,8 @@ def test_job_sql_uses_bound_parameters_only():
     # every text placeholder is one of the reviewed ones, in the files that expect it
     for f in files:
         for ph in set(re.findall(r"\{\w+\}", f.read_text())):
-            assert (ph, f.parent.name) in {("{cards}", "catalog"), ("{source}", "common")}, (
+            reviewed = {("{cards}", "catalog"), ("{source}", "common"), ("{uuid7_now}", "catalog")}
+            assert (ph, f.parent.name) in reviewed, (
                 f.name,
                 ph,
             )
@@ -373,6 +375,9 @@ def test_table_names_come_only_from_the_constant():
     for kind, table in ((k.name, k.table) for k in catalog.CARD_KINDS):
         text = catalog.card_sql("lock", kind)
         assert table in text and "{cards}" not in text
+        # the snapshot id expression is a file of the repository, put in whole
+        apply = catalog.card_sql("apply", kind)
+        assert "{" not in apply.replace("'{}'", "") and "gen_random_uuid()" in apply
     for bad in ("Project; DROP TABLE news.posts", "catalog.project_cards", ""):
         with pytest.raises(KeyError):
             catalog.card_sql("lock", bad)

@@ -1,5 +1,5 @@
--- A uuid v7 of this instant, as an expression put in place of {uuid7_now} where it is used
--- (the popularity snapshots, the benchmark's floor, the hot path's new comments). RFC 9562
+-- A uuid v7 of this instant, as an expression put in place of the uuid7_now placeholder where
+-- it is used (the popularity snapshots, the benchmark floor, the hot path new comments). RFC 9562
 -- layout, the unix milliseconds of clock_timestamp() in the first 48 bits, then the version
 -- and variant bits over the random bits of a v4. Ids written in time order go to the right
 -- edge of their primary key's index instead of one random leaf page each.
