@@ -22,7 +22,8 @@ run with another `window_days` / `half_life_days` works passes of its own, never
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
 - summary `status: skipped, lock held`: another run holds
   `Pin:lock:job:scheduled:catalog-popularity-recompute` (see `pin_nightly.job_lease`).
-- a `recompute_*` range failed (database down, lease lost): the batch in flight was rolled back
+- a `recompute_*` range failed (database down, lease lost, a session timeout:
+  README "Session bounds"): the batch in flight was rolled back
   and the passes after it wait; fix the cause and clear that task instance with its downstream
   tasks (it resumes from its cursor), or let the next night recompute (a newer date supersedes
   the unfinished pass). `status: success` means both passes completed and nothing is left;

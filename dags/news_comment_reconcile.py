@@ -20,9 +20,10 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   (maybe another deployment firing the same slot: the holder `<dag>/<run_id> ~<tag>` names
   the acquisition) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
   nothing and succeeded. The lease expires by its TTL (`pin_nightly.job_lease` shows the holder).
-- a `reconcile_range` failed: read its log, fix the cause (database down, lease lost), then
-  clear that task instance: it resumes from its cursor. Cleared after a later run adopted its
-  range, it writes nothing and says `superseded by the run ...` (green).
+- a `reconcile_range` failed: read its log, fix the cause (database down, lease lost, a session
+  timeout: README "Session bounds"), then clear that task instance: it resumes from its cursor.
+  Cleared after a later run adopted its range, it writes nothing and says `superseded by the
+  run ...` (green).
 - `item_errors` > 0: a post could not be written (a trigger or constraint rejected it); the
   others were, the range went on. `pin_nightly.item_error` has the post and its error.
 - `drift_corrected` above `drift_alert_threshold`: a bug in the hot-path increment; the job
