@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any, Self
 
+from pin_nightly import health as healths
 from pin_nightly import lease as leases
 from pin_nightly import tracing
 from pin_nightly.db import fetch_dicts, fetch_one_dict, sql, sqlstate, transaction
@@ -153,6 +154,11 @@ class SweepJob:
     def retry(self, cur, ids: list[str]) -> Batch:
         """Exactly the rows ``ids`` a batch skipped because locked, waiting for their locks."""
         raise NotImplementedError
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The tables a batch writes (pacing pauses while a VACUUM runs on one of them)."""
+        return ()
 
 
 def open_sweep(
@@ -516,6 +522,7 @@ def run_range(
     retry_lock_timeout_ms: int = 1000,
     on_batch: Callable[[Batch], None] | None = None,
     stop: StopSignal | None = None,
+    health: healths.Health | None = None,
 ) -> RangeResult:
     """Work through one range, batch by batch (``job.batch``), from its saved cursor.
 
@@ -523,11 +530,17 @@ def run_range(
     resumes) or when a stop was requested. Rows skipped because locked are retried once at the
     end of the range with a short ``lock_timeout`` (``job.retry``). A range that is no longer
     the acquisition's (adopted by a later run, its sweep abandoned or closed) is left alone:
-    ``superseded``.
+    ``superseded``. Before each batch the range waits while the database's health signals
+    are over the run's limits (``health``; by default from the job's options, see
+    :mod:`pin_nightly.health`).
     """
     ids = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
     key = {**ids, "owner": lease.holder}
     work = _Range(conn, job, lease, key, rng.get("label", key), rng.get("budget_share", 1.0))
+    # the holder is "<dag_id>/<run_id> ~<tag>" (jobs.holder_of)
+    work.health = health or healths.Health.from_opts(
+        job.opts, job.writes, lease.holder.partition("/")[0]
+    )
     row = get_range(conn, rng)
     res = RangeResult(**ids, status="done", cursor_id=row["cursor_id"])
     why = superseded(row, lease.holder)
@@ -558,6 +571,13 @@ class _Range:
     key: dict[str, Any]  # sweep_id, range_no, owner: every write is conditional on them
     label: Any
     share: float  # of the run's time budget, that the range's pass may use
+    health: healths.Health | None = None  # pacing before each batch
+
+    def pace(self, stop) -> healths.Pause:
+        """Before a batch, outside any transaction: wait while the database is unhealthy."""
+        if self.health is None:
+            return healths.Pause()
+        return self.health.wait(self.conn, self.lease, self.share, stop, self.label)
 
     def update(self, cur, statement, params=None, why="taken over or closed by someone else"):
         """A write to the range row, only while it is the acquisition's (and its sweep open)."""
@@ -565,16 +585,21 @@ class _Range:
         if cur.fetchone() is None:
             raise RuntimeError(f"range {self.key} was {why}")
 
-    def batch(self, cursor: str | None, upper: str | None, limit: int) -> tuple[Batch | None, bool]:
+    def batch(
+        self, cursor: str | None, upper: str | None, limit: int, paused: healths.Pause | None = None
+    ) -> tuple[Batch | None, bool]:
         """One batch transaction (fencing, the job's batch, the checkpoint): the batch (None: past
-        the run's deadline, nothing done), and whether the lease is due for renewal."""
+        the run's deadline, nothing done), and whether the lease is due for renewal. ``paused``:
+        the pause before it, for its span."""
         with (
-            tracing.span("batch", _batch_start, cursor, limit) as span,
+            tracing.span("batch", _batch_start, cursor, limit, paused) as span,
             transaction(self.conn) as cur,
         ):
             cur.execute(sql("common/async_commit"))
             past_deadline, renew_due = leases.fence(cur, self.lease, self.share)
             b = None if past_deadline else self.job.batch(cur, cursor, upper, limit)
+            if b is not None and self.health is not None:
+                self.health.sample_lock_waiters(cur)
             if b is not None and b.last_id is not None:
                 params = {**b.checkpoint().as_params(), "cursor_id": b.last_id}
                 why = "taken over or closed by someone else: batch rolled back"
@@ -627,8 +652,11 @@ def _work_batches(
         if stop.requested:
             res.status = "stopped"
             break
+        paused = work.pace(stop)  # outside any transaction
+        if stop.requested:
+            continue
         started = time.monotonic()
-        b, renew_due = work.batch(cursor, upper, batch_size)
+        b, renew_due = work.batch(cursor, upper, batch_size, paused)
         if b is None:
             res.status = "interrupted"
             break
@@ -662,8 +690,11 @@ def _work_batches(
     return res, skipped
 
 
-def _batch_start(after_id: str | None, batch_size: int) -> dict[str, Any]:
-    return {"pin.batch.after_id": after_id, "pin.batch_size": batch_size}
+def _batch_start(
+    after_id: str | None, batch_size: int, paused: healths.Pause | None = None
+) -> dict[str, Any]:
+    pause = paused.attributes() if paused is not None else {}
+    return {"pin.batch.after_id": after_id, "pin.batch_size": batch_size, **pause}
 
 
 def _retry_start(row_id: str) -> dict[str, Any]:
@@ -710,15 +741,22 @@ def finish_run(conn, job: str, owner: str) -> tuple[list[dict[str, Any]], list[s
     did, per sweep (see :func:`run_totals`), and the sweeps still unfinished after it (the
     backlog), e.g. ``FullSweep (sweep 12)``."""
     totals = run_totals(conn, job, owner)
+    closed = close_finished(conn, job)
     with transaction(conn) as cur:
-        cur.execute(sql("common/sweep_close_finished"), {"job": job, "keep_owner": None})
-        closed = {s["sweep_id"] for s in fetch_dicts(cur)}
         cur.execute(sql("common/sweeps_unfinished"), {"job": job, "owner": owner})
         unfinished = fetch_dicts(cur)
     for t in totals:
         if t["sweep_id"] in closed:
             t["sweep_status"] = "done"
     return totals, [f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished]
+
+
+def close_finished(conn, job: str) -> set[int]:
+    """Close the job's open sweeps whose ranges are all done, whoever left them; return their
+    ids."""
+    with transaction(conn) as cur:
+        cur.execute(sql("common/sweep_close_finished"), {"job": job, "keep_owner": None})
+        return {s["sweep_id"] for s in fetch_dicts(cur)}
 
 
 def write_run_log(

@@ -1,0 +1,252 @@
+"""Pacing on the database's health: before each batch, outside any transaction, the range reads
+the database's health signals and pauses while one is over its limit.
+
+Signals (``include/sql/health/``), each with its param (0 turns a number off):
+
+- ``replica_lag_seconds`` / ``replica_lag_mb``: the replay lag of the worst streaming replica
+  (``pg_stat_replication``), in seconds and in WAL not yet replayed;
+- ``vacuum``: a VACUUM (autovacuum or manual) running on a table the batch writes
+  (``pg_stat_progress_vacuum``), when ``pace_on_vacuum``;
+- ``wal_mb_per_second``: the WAL the server writes per second while the range works, measured
+  by the range itself over its last seconds (PostgreSQL 16 does not count WAL per session: at
+  night the job's batches are most of it);
+- ``archive_backlog_segments``: completed WAL segments the archiver has not archived yet, when
+  ``archive_mode`` is on;
+- ``lock_waiters``: sessions that were waiting for a lock the job's backend held, sampled at the
+  end of the previous batch (between batches the job holds no lock).
+
+A pause is logged at WARNING (``pausing: <signal>=<value> over <limit>``), counted in
+``pin_nightly_pauses_total{dag_id, signal}`` and set on the next batch's span
+(``pin.batch.paused_ms``, ``pin.batch.pause_signals``). Pauses back off from
+:data:`FIRST_PAUSE_S` doubling to :data:`MAX_PAUSE_S` and never outlast the range's share of
+the run's budget: the budget is wall-clock time, so a pause spends it, and a range still paused
+when it runs out stops like any range at its budget (``interrupted``; the run ends
+``backlog_remaining``, never failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pin_nightly import metrics
+from pin_nightly.db import fetch_one_dict, sql, transaction
+
+log = logging.getLogger(__name__)
+
+FIRST_PAUSE_S = 0.5  # the first recheck; most vacuums of a small table are over by then
+MAX_PAUSE_S = 30.0  # the longest wait between two rechecks
+WAL_WINDOW_S = 10.0  # the WAL rate is measured over about this many of the last seconds
+MIN_WAL_SPAN_S = 1.0  # ... and over at least this many (one fast batch is no rate)
+MB = 1024 * 1024
+METRIC = "pin_nightly_pauses_total"
+
+# param -> (signal, default); the params' schemas are in jobs.common_params
+PARAMS = {
+    "pace_max_replica_lag_seconds": ("replica_lag_seconds", 30),
+    "pace_max_replica_lag_mb": ("replica_lag_mb", 1024),
+    "pace_on_vacuum": ("vacuum", True),
+    "pace_max_wal_mb_per_second": ("wal_mb_per_second", 32),
+    "pace_max_archive_backlog_segments": ("archive_backlog_segments", 64),
+    "pace_max_lock_waiters": ("lock_waiters", 1),
+}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One signal over its limit: its value, the limit and what it is about."""
+
+    signal: str
+    value: float
+    limit: float
+    about: str = ""
+
+    def __str__(self) -> str:
+        about = f" ({self.about})" if self.about else ""
+        if self.signal == "vacuum":
+            return f"vacuum=running{about}"
+        return f"{self.signal}={_fmt(self.value)} over {_fmt(self.limit)}{about}"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
+
+
+@dataclass
+class Pause:
+    """What a range's wait before a batch did: seconds paused and the signals that caused it."""
+
+    seconds: float = 0.0
+    signals: list[str] = field(default_factory=list)
+
+    def attributes(self) -> dict[str, Any]:
+        if not self.signals:
+            return {}
+        return {
+            "pin.batch.paused_ms": round(self.seconds * 1000),
+            "pin.batch.pause_signals": ",".join(self.signals),
+        }
+
+
+@dataclass
+class Health:
+    """A range's health checker: the run's limits (0 or False: off), the tables its batches
+    write (the vacuum signal) and the dag id (the metric's tag)."""
+
+    limits: dict[str, float]  # signal -> limit
+    tables: tuple[str, ...] = ()
+    dag_id: str = ""
+    _wal: deque = field(default_factory=deque)  # (monotonic seconds, WAL bytes)
+    _waiters: tuple[int, float] = (0, 0.0)  # at the end of the last batch: count, longest wait
+    _blind_warned: bool = False
+
+    @classmethod
+    def from_opts(cls, opts: dict[str, Any], tables=(), dag_id: str = "") -> Health:
+        """The checker of a run's options (a missing param takes its default)."""
+        limits = {}
+        for param, (signal, default) in PARAMS.items():
+            value = opts.get(param, default)
+            if signal == "vacuum":
+                value = 1 if value else 0
+            if value:
+                limits[signal] = float(value)
+        return cls(limits, tuple(tables), dag_id)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.limits)
+
+    # ------------------------------------------------------------------ inside a batch
+    def sample_lock_waiters(self, cur) -> None:
+        """In the batch's transaction, after its writes: who waits for the batch's locks."""
+        if "lock_waiters" not in self.limits:
+            return
+        cur.execute(sql("health/lock_waiters"))
+        row = cur.fetchone()
+        self._waiters = (int(row[0]), float(row[1]))
+
+    # ---------------------------------------------------------------- between batches
+    def read(self, conn, lease=None, budget_share: float = 1.0) -> tuple[list[Reading], Any]:
+        """The signals over their limits now (read in a transaction of their own), and the
+        seconds left of the range's budget (None without a lease: unbounded)."""
+        params = {
+            "tables": list(self.tables),
+            "lock_key": lease.lock_key if lease else "",
+            "token": lease.token if lease else -1,
+            "budget_share": budget_share,
+        }
+        with transaction(conn) as cur:
+            cur.execute(sql("health/signals"), params)
+            row = fetch_one_dict(cur)
+        now = time.monotonic()
+        over: list[Reading] = []
+        if not row["can_read_stats"] and not self._blind_warned and self.limits:
+            self._blind_warned = True
+            log.warning(
+                "pacing cannot see replica lag or vacuum progress: the job's role lacks "
+                "pg_read_all_stats (include/sql/schema/roles.sql grants it)"
+            )
+
+        def check(signal: str, value, about: str = "") -> None:
+            limit = self.limits.get(signal)
+            if limit is not None and value is not None and value > limit:
+                over.append(Reading(signal, value, limit, about))
+
+        check("replica_lag_seconds", row["replica_lag_seconds"], row["replica_lag_seconds_of"])
+        lag_bytes = row["replica_lag_bytes"]
+        check(
+            "replica_lag_mb",
+            None if lag_bytes is None else lag_bytes / MB,
+            row["replica_lag_bytes_of"],
+        )
+        if row["vacuum"] and "vacuum" in self.limits:
+            over.append(Reading("vacuum", 1, 0, row["vacuum"]))
+        check("wal_mb_per_second", self._wal_rate(now, float(row["wal_bytes"])))
+        check("archive_backlog_segments", row["archive_backlog"])
+        waiters, longest = self._waiters
+        check("lock_waiters", waiters, f"longest wait {longest:.2f} s at the last batch's end")
+        self._waiters = (0, 0.0)  # a waiter is counted once; the pause has let it through
+        left = None if lease is None else row["seconds_left"] or 0.0
+        return over, left
+
+    def _wal_rate(self, now: float, wal_bytes: float) -> float | None:
+        """MB/s written over the last :data:`WAL_WINDOW_S` (at least :data:`MIN_WAL_SPAN_S`);
+        None until there are two readings."""
+        samples = self._wal
+        samples.append((now, wal_bytes))
+        while len(samples) > 2 and now - samples[1][0] >= WAL_WINDOW_S:
+            samples.popleft()
+        t0, b0 = samples[0]
+        if len(samples) < 2:
+            return None
+        return (wal_bytes - b0) / MB / max(now - t0, MIN_WAL_SPAN_S)
+
+    def _wal_wait(self) -> float:
+        """How long the WAL window needs to fall to the limit, were nothing more written."""
+        if len(self._wal) < 2 or "wal_mb_per_second" not in self.limits:
+            return MAX_PAUSE_S
+        (t0, b0), (t1, b1) = self._wal[0], self._wal[-1]
+        return (b1 - b0) / MB / self.limits["wal_mb_per_second"] - (t1 - t0)
+
+    def wait(self, conn, lease=None, budget_share: float = 1.0, stop=None, label="") -> Pause:
+        """Before a batch, outside any transaction: return once every signal is under its
+        limit, the range's budget is spent, or a stop is requested; what it paused."""
+        pause = Pause()
+        if not self.on:
+            return pause
+        step = FIRST_PAUSE_S
+        started = time.monotonic()
+        healthy = False
+        while True:
+            over, left = self.read(conn, lease, budget_share)
+            if not over:
+                healthy = True
+                break
+            for r in over:
+                if r.signal not in pause.signals:
+                    pause.signals.append(r.signal)
+                    metrics.incr(METRIC, tags={"dag_id": self.dag_id, "signal": r.signal})
+            if left is not None and left <= 0:
+                log.warning(
+                    "range %s: budget spent while paused (%s); it stops here",
+                    label,
+                    "; ".join(map(str, over)),
+                )
+                break
+            sleep = step
+            if all(r.signal == "wal_mb_per_second" for r in over):
+                sleep = min(step, max(self._wal_wait(), 0.05))
+            if left is not None:
+                sleep = min(sleep, left)
+            log.warning(
+                "pausing: %s; range %s rechecks in %.1f s (paused %.1f s so far)",
+                "; ".join(map(str, over)),
+                label,
+                sleep,
+                time.monotonic() - started,
+            )
+            if _sleep(sleep, stop):
+                break
+            step = min(step * 2, MAX_PAUSE_S)
+        pause.seconds = time.monotonic() - started if pause.signals else 0.0
+        if pause.signals and healthy:
+            log.info(
+                "range %s resumes after %.1f s paused (%s)",
+                label,
+                pause.seconds,
+                ", ".join(pause.signals),
+            )
+        return pause
+
+
+def _sleep(seconds: float, stop) -> bool:
+    """Sleep, waking early when a stop is requested; whether one was."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if stop is not None and stop.requested:
+            return True
+        time.sleep(min(left, 0.2))
+    return bool(stop is not None and stop.requested)
