@@ -182,7 +182,8 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
             windows[item].append((recs, hp.lock_waits))
             statements[item].append({k: res.statements for k, res in hp.results.items()})
             if job:
-                runs[item].append({k: r[k] for k in ("seconds", "rows", "changed", "batch_ms")})
+                keys = ("seconds", "rows", "changed", "batch_ms", "lock_ms")
+                runs[item].append({k: r[k] for k in keys})
                 log.info("hot path during %s rep %d: %.1f s", item, rep + 1, r["seconds"])
             data.reset_news(dsns["news"], hotpath_since=hp.started)
             data.restore_views(dsns["catalog"])

@@ -102,6 +102,7 @@ def _ranges_stats(results: list[dict]) -> dict:
     keys = ("batches", "processed", "changed", "written", "skipped_locked", "item_errors")
     return {
         "batch_ms": [ms for r in results for ms in r["batch_ms"]],
+        "lock_ms": [ms for r in results for ms in r.get("lock_ms", [])],
         "statements": stmts,
         **{k: sum(r["result"][k] for r in results) for k in keys},
         "worker_hwm_kb": max(r["hwm_kb"] for r in results) if results else None,

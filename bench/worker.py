@@ -5,11 +5,13 @@ Started by :mod:`bench.runners` (``python -m bench.worker DSN``), one process pe
 its own. Protocol, JSON lines: it answers ``{"rss_kb"}`` once imported and connected; then per
 task line ``{"job", "rng", "lease", "opts", "run_id", "candidate_mode" | "kind"}`` it runs
 ``pin_nightly.keyset.run_range`` with the job's ``make_batch`` and answers the range result,
-the per-batch transaction times and the time per statement (by SQL file); an empty line ends it
-(answer: ``{"hwm_kb"}``).
+the per-batch transaction times, how long each transaction held row locks, and the time per
+statement (by SQL file); an empty line ends it (answer: ``{"hwm_kb"}``).
 
-Batch transaction time = from its first statement to the return of its COMMIT, measured by a thin
-proxy around the connection: an upper bound of how long the batch holds any row lock.
+Measured by a thin proxy around the connection: a batch transaction's time is from its first
+statement to the return of its COMMIT; its row locks are held at most from the start of its
+first statement that takes them (``LOCK_STATEMENTS``) to the return of its COMMIT, for a batch
+and for the end-of-range retry of a skipped row alike.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-BATCH_LOCK_STATEMENTS = {"news/full_lock", "news/candidate_lock", "catalog/lock"}
+# the statements that take a transaction's row locks (the catalog's compute takes none)
+LOCK_STATEMENTS = {
+    "news/full_lock",
+    "news/candidate_lock",
+    "news/ids_lock",
+    "catalog/apply",
+    "catalog/lock",
+}
 
 
 def status_kb(field: str) -> int | None:
@@ -32,7 +41,8 @@ def status_kb(field: str) -> int | None:
 
 
 class Profile:
-    """Per statement: [calls, seconds]; per batch transaction: milliseconds."""
+    """Per statement: [calls, seconds]; per batch transaction: milliseconds; per transaction
+    that held row locks: milliseconds from its first locking statement to its COMMIT."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
@@ -41,8 +51,10 @@ class Profile:
     def reset(self) -> None:
         self.stmt: dict[str, list] = defaultdict(lambda: [0, 0.0])
         self.tx_start: float | None = None
-        self.tx_locks = False
+        self.tx_locks: float | None = None  # start of the transaction's first lock statement
+        self.tx_batch = False  # the transaction advanced a range cursor: a batch
         self.batch_ms: list[float] = []
+        self.lock_ms: list[float] = []
 
     def label(self, query) -> str:
         q = str(query)
@@ -55,12 +67,16 @@ class Profile:
         s[0] += 1
         s[1] += t1 - t0
         if label in ("COMMIT", "ROLLBACK"):
-            if self.tx_start is not None and self.tx_locks and label == "COMMIT":
+            if self.tx_start is not None and self.tx_batch and label == "COMMIT":
                 self.batch_ms.append((t1 - self.tx_start) * 1000)
-            self.tx_start, self.tx_locks = None, False
+            if self.tx_locks is not None:
+                self.lock_ms.append((t1 - self.tx_locks) * 1000)
+            self.tx_start, self.tx_locks, self.tx_batch = None, None, False
         else:
             self.tx_start = t0 if self.tx_start is None else self.tx_start
-            self.tx_locks |= label in BATCH_LOCK_STATEMENTS
+            if label in LOCK_STATEMENTS and self.tx_locks is None:
+                self.tx_locks = t0
+            self.tx_batch |= label == "common/range_advance"
 
 
 class Proxy:
@@ -142,6 +158,7 @@ def main() -> None:
             {
                 "result": res.__dict__,
                 "batch_ms": prof.batch_ms,
+                "lock_ms": prof.lock_ms,
                 "statements": dict(prof.stmt),
                 "hwm_kb": status_kb("VmHWM"),
             }

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import threading
+import time
 import uuid
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -363,8 +364,12 @@ def test_consumer_increments_during_a_run_are_never_lost_or_torn(catalog_db):
         assert catalog_db.score(cid) == final[cid]
 
 
+# enough batches of 5 that the stop lands mid-run however fast a batch is
+N_STOP = 400
+
+
 def test_stopping_mid_run_keeps_whole_batches_and_releases_locks(catalog_db):
-    ids = [catalog_db.card(views=7) for _ in range(60)]
+    ids = [catalog_db.card(views=7) for _ in range(N_STOP)]
     for cid in ids:
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), 2)
     when(
@@ -381,7 +386,7 @@ def test_stopping_mid_run_keeps_whole_batches_and_releases_locks(catalog_db):
     scored = catalog_db.one(
         "SELECT count(*) FROM catalog.property_object_cards WHERE popularity_score = 5"
     )
-    assert written == scored and written % 5 == 0 and 10 <= written < 60
+    assert written == scored and written % 5 == 0 and 10 <= written < N_STOP
     # no row lock is left behind
     with psycopg.connect(catalog_db.dsn) as conn:
         conn.execute("SET lock_timeout = '1s'")
@@ -391,13 +396,208 @@ def test_stopping_mid_run_keeps_whole_batches_and_releases_locks(catalog_db):
                     "SELECT id FROM catalog.property_object_cards FOR UPDATE NOWAIT"
                 ).fetchall()
             )
-            == 60
+            == N_STOP
         )
     s = assert_ok(run({"batch_size": 5, "max_ranges": 1}))
-    assert s["property_object_cards_processed"] == 60 - written  # resumed from the cursor
+    assert s["property_object_cards_processed"] == N_STOP - written  # resumed from the cursor
     assert (
         catalog_db.one(
             "SELECT count(*) FROM catalog.property_object_cards WHERE popularity_score = 5"
         )
-        == 60
+        == N_STOP
     )
+
+
+# --- statement 1 computes without row locks, statement 2 locks and writes ----------------------
+
+PO = "catalog.property_object_cards"
+INCREMENT = f"UPDATE {PO} SET popularity_views = popularity_views + %s WHERE id = %s"
+
+
+def _between_statements(monkeypatch, action, every: bool = False) -> dict:
+    """Run ``action(ids)`` in the job's batch transaction between its statement 1
+    (``catalog/compute``, which has read the batch's cards ``ids``) and its statement 2
+    (``catalog/apply``): for the first batch that read cards, or for every batch. ``dag.test``
+    runs the tasks in this process, so the patched method is what the range task calls."""
+    from pin_nightly import catalog
+
+    real = catalog.Recompute._write
+    state = {"calls": 0}
+
+    def _write(self, cur, rows, limit):
+        if rows and (every or not state["calls"]):
+            state["calls"] += 1
+            action([r["id"] for r in rows])
+        return real(self, cur, rows, limit)
+
+    monkeypatch.setattr(catalog.Recompute, "_write", _write)
+    return state
+
+
+def test_a_batch_holds_no_card_lock_while_it_computes_and_its_locks_only_while_it_writes(
+    catalog_db, monkeypatch
+):
+    """Between the batch's two statements (its values computed, nothing written yet) no card of
+    the batch is locked: FOR NO KEY UPDATE NOWAIT takes each, and the view consumer's increment
+    of each goes through at once under a 100 ms lock_timeout. During statement 2 (held in
+    flight by a trigger that waits on the last card's update for an advisory lock the test
+    holds) every card of the batch is locked and an increment gives up after its 100 ms. The
+    snapshot is the counter statement 1 read, the score is computed from it, and no increment
+    is lost."""
+    from psycopg.errors import LockNotAvailable
+
+    from tests.helpers import ADVISORY_KEY, gate_waiter, install_gate, wait_for
+
+    ids = [catalog_db.card(views=100 + i) for i in range(8)]
+    for cid in ids:
+        catalog_db.seed_snapshot(cid, D - timedelta(days=1), 50)
+    install_gate(catalog_db, PO, ids[-1])
+    gate = psycopg.connect(catalog_db.dsn, autocommit=True)
+    seen: dict = {"taken": [], "increment_s": [], "locked_while_writing": [], "error": None}
+
+    def while_writing():
+        try:
+            wait_for(lambda: gate_waiter(catalog_db), timeout=120, what="statement 2 at the gate")
+            with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
+                conn.execute("SET lock_timeout = '100ms'")
+                for cid in ids:
+                    try:
+                        conn.execute(INCREMENT, (1, cid))
+                    except LockNotAvailable:
+                        seen["locked_while_writing"].append(cid)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            seen["error"] = repr(exc)
+        finally:
+            gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))
+
+    writer = threading.Thread(target=while_writing)
+
+    def between(batch):
+        seen["batch"] = batch
+        with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '100ms'")
+            for cid in batch:
+                with conn.transaction():
+                    lock = f"SELECT id::text FROM {PO} WHERE id = %s FOR NO KEY UPDATE NOWAIT"
+                    seen["taken"] += [r[0] for r in conn.execute(lock, (cid,))]
+                t0 = time.monotonic()
+                conn.execute(INCREMENT, (1, cid))
+                seen["increment_s"].append(time.monotonic() - t0)
+        gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+        writer.start()
+
+    _between_statements(monkeypatch, between)
+    try:
+        s = assert_ok(run({"batch_size": 20}))
+    finally:
+        writer.join(150)
+        gate.close()
+    assert seen["error"] is None, seen["error"]
+    assert seen["batch"] == ids
+    assert seen["taken"] == ids  # no card of the batch was locked while it computed
+    assert len(seen["increment_s"]) == 8, seen["increment_s"]  # none waited 100 ms
+    assert seen["locked_while_writing"] == ids  # statement 2 held every card's lock
+    for i, cid in enumerate(ids):
+        assert catalog_db.snapshots(cid) == [(D - timedelta(days=1), 50), (D, 100 + i)]
+        assert catalog_db.score(cid) == 50 + i
+        assert catalog_db.one(f"SELECT popularity_views FROM {PO} WHERE id = %s", cid) == 101 + i
+    assert s["property_object_cards_processed"] == 8 and s["item_errors"] == 0
+
+
+def test_counters_moving_between_compute_and_write_give_a_snapshot_and_score_that_agree(
+    catalog_db, monkeypatch
+):
+    """Counters that grow (or are reset lower) between a batch's statement 1 and statement 2,
+    in every batch: each card's snapshot of the night is the counter statement 1 read, a value
+    it had during the run, and its score is exactly the formula over its history with that
+    snapshot (the independent reference); the growth is kept in the counter, and a re-run of
+    the date, the counters settled, takes it."""
+    rnd = random.Random(20261202)
+    cards, history, moves = [], {}, {}
+    for i in range(30):
+        views, snaps = rnd.randint(0, 300), {}
+        for age in range(35, 0, -1):
+            views += rnd.choice((0, 1, 4, 30, rnd.randint(0, 200)))
+            if rnd.random() < 0.9:
+                snaps[D - timedelta(days=age)] = views
+        views += rnd.randint(0, 80)
+        cid = catalog_db.card(views=views)
+        for d, v in snaps.items():
+            catalog_db.seed_snapshot(cid, d, v)
+        cards.append((cid, views))
+        history[cid] = snaps
+        # most grow, one in ten is reset lower (a replay), some stay
+        moves[cid] = rnd.choice((0, 1, 7, 250)) if i % 10 else -min(views, 5)
+
+    def between(batch):
+        with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '100ms'")
+            for cid in batch:
+                conn.execute(INCREMENT, (moves[cid], cid))
+
+    state = _between_statements(monkeypatch, between, every=True)
+    s = assert_ok(run({"batch_size": 4}))
+    assert state["calls"] == 8  # 30 cards in batches of 4
+    assert s["property_object_cards_processed"] == 30 and s["item_errors"] == 0
+    for cid, views in cards:
+        assert dict(catalog_db.snapshots(cid))[D] == views, cid  # read by statement 1
+        assert catalog_db.score(cid) == reference_score({**history[cid], D: views}, D, 30, 7), cid
+        now = catalog_db.one(f"SELECT popularity_views FROM {PO} WHERE id = %s", cid)
+        assert now == views + moves[cid], cid  # the consumer's change is kept
+    monkeypatch.undo()
+    assert_ok(run({"batch_size": 4}))
+    for cid, views in cards:
+        settled = views + moves[cid]
+        assert dict(catalog_db.snapshots(cid))[D] == settled, cid
+        assert catalog_db.score(cid) == reference_score({**history[cid], D: settled}, D, 30, 7)
+
+
+def test_cards_delisted_deleted_or_locked_between_compute_and_write(catalog_db, monkeypatch):
+    """Between a batch's statement 1 and statement 2: a card Delisted gets no snapshot and no
+    score (statement 2 checks the status on the locked row), a deleted card nothing; a card
+    whose counter becomes NULL keeps the valid value statement 1 read; a card a consumer's
+    transaction holds is skipped by statement 2 and taken by the range's retry at its end once
+    that transaction commits, with a snapshot and a score that agree."""
+    ids = [catalog_db.card(views=40 + i, score=1) for i in range(6)]
+    for cid in ids:
+        catalog_db.seed_snapshot(cid, D - timedelta(days=1), 30)
+    delisted, deleted, nulled, held = ids[1], ids[2], ids[3], ids[4]
+    blocker = psycopg.connect(catalog_db.dsn)
+
+    def between(batch):
+        with psycopg.connect(catalog_db.dsn, autocommit=True) as conn:
+            conn.execute(f"UPDATE {PO} SET status = 'Delisted' WHERE id = %s", (delisted,))
+            conn.execute(f"DELETE FROM {PO} WHERE id = %s", (deleted,))
+            conn.execute(f"UPDATE {PO} SET popularity_views = NULL WHERE id = %s", (nulled,))
+        blocker.execute(INCREMENT, (5, held))  # open: statement 2 must skip this card
+        # the consumer commits once the batch has committed: the range's retry takes the card
+        when(
+            lambda: (
+                catalog_db.one("SELECT coalesce(sum(batches), 0) FROM pin_nightly.sweep_range") >= 1
+            ),
+            blocker.commit,
+        )
+
+    _between_statements(monkeypatch, between)
+    try:
+        s = assert_ok(run({"batch_size": 20}))
+    finally:
+        blocker.close()
+    assert catalog_db.snapshots(delisted) == [(D - timedelta(days=1), 30)]
+    assert catalog_db.score(delisted) == 1
+    assert catalog_db.snapshots(deleted) == [(D - timedelta(days=1), 30)]  # none of D
+    assert catalog_db.snapshots(nulled) == [(D - timedelta(days=1), 30), (D, 43)]
+    assert catalog_db.score(nulled) == 13
+    [(_, snap)] = [x for x in catalog_db.snapshots(held) if x[0] == D]
+    assert snap in (44, 49)  # before or after the consumer's +5: a value it had in the run
+    assert catalog_db.score(held) == snap - 30
+    for cid in (ids[0], ids[5]):
+        assert catalog_db.score(cid) == catalog_db.snapshots(cid)[-1][1] - 30
+    assert s["property_object_cards_skipped_locked"] == 0
+    assert s["property_object_cards_processed"] == 4  # the Delisted and the deleted are not
+    assert s["snapshots_written"] == 4 and s["item_errors"] == 0
+    # the held card was written by the retry's own transaction, not by the batch's
+    xmin = (
+        "SELECT xmin::text FROM catalog.popularity_daily_views WHERE card_id = %s AND run_date = %s"
+    )
+    assert catalog_db.one(xmin, held, D) != catalog_db.one(xmin, ids[0], D)

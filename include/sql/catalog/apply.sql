@@ -1,63 +1,64 @@
--- Batch statement 2, on the cards locked by statement 1 (their counters cannot move until we
--- commit): upsert today's snapshot of each valid counter, compute the decayed score of each card
--- from the snapshots in the window (one query for the whole batch), and write popularity_score
--- and updated_at only where the score changes.
---   score(D) = round( sum over snapshots k with run_date in (D - W, D] of
---                     max(0, S_k - S_prev(k)) * 2^(-(D - run_date_k) / H), 4)
--- S_prev(k) is the newest earlier snapshot of the card within the retention horizon
--- (run_date >= D - (W + 2)): a night at the window's edge that follows a missed night still
--- finds it. A snapshot without one is a baseline (delta 0); snapshots older than the window
--- only serve as predecessors (no weight). Scores that do not fit numeric(12,4) are not written
--- and are returned as poison.
+-- Batch statement 2, the batch's only row locks: for the cards statement 1 (compute.sql) read,
+-- upsert tonight's snapshot with the counter statement 1 read (job-owned rows: no card lock
+-- needed), then lock the cards FOR NO KEY UPDATE SKIP LOCKED, only while still not Delisted
+-- (checked on the locked row), and write the score statement 1 computed from that same value
+-- to popularity_score and updated_at where the score changes (compared on the locked row). The
+-- locks are taken after the upsert (locked reads its RETURNING rows, which the semi-join hashes
+-- whole first) and held to the commit, so the view consumer waits for the score writes only.
+-- Scores that do not fit numeric(12,4) are not written (their snapshot is) and are returned as
+-- poison. The cards not locked (held by a concurrent transaction: skipped_ids, retried at the
+-- range's end; or Delisted or deleted since statement 1) keep no snapshot of tonight: undo_*
+-- lists them with the snapshot they had before (a re-run of the date), which unapply.sql puts
+-- back in the same transaction, so no other session ever sees it. Why the values may be
+-- computed before the lock: docs/design.md.
 -- A new snapshot's id is time-ordered (uuid v7, common/uuid7_now.sql), so a night's rows go to
 -- the right edge of the primary key's index instead of one random leaf page each (a full-page
 -- image in the WAL per page; see bench/RESULTS.md).
-WITH batch AS (
-    SELECT b.card_id, b.views
-      FROM unnest(%(ids)s::uuid[], %(views)s::bigint[]) AS b(card_id, views)
-     WHERE b.views IS NOT NULL AND b.views >= 0
+WITH input AS (
+    SELECT b.card_id, b.views, b.score
+      FROM unnest(%(ids)s::uuid[], %(views)s::bigint[], %(scores)s::numeric[])
+           AS b(card_id, views, score)
 ), snap AS (
     INSERT INTO catalog.popularity_daily_views
            (id, card_kind, card_id, run_date, cumulative_views, created_at)
     SELECT {uuid7_now},
            %(kind)s, card_id, %(as_of)s::date, views, clock_timestamp()
-      FROM batch
+      FROM input
     ON CONFLICT (card_kind, card_id, run_date) DO UPDATE
        SET cumulative_views = excluded.cumulative_views, created_at = excluded.created_at
     RETURNING card_id
-), hist AS (
-    SELECT s.card_id, s.run_date, s.cumulative_views
-      FROM catalog.popularity_daily_views s
-     WHERE s.card_kind = %(kind)s
-       AND s.card_id IN (SELECT card_id FROM batch)
-       AND s.run_date >= %(as_of)s::date - (%(window_days)s + 2)
-       AND s.run_date < %(as_of)s::date
-    UNION ALL
-    SELECT card_id, %(as_of)s::date, views FROM batch
-), deltas AS (
-    SELECT card_id, run_date,
-           cumulative_views - lag(cumulative_views) OVER w AS delta
-      FROM hist
-    WINDOW w AS (PARTITION BY card_id ORDER BY run_date)
-), weights AS (
-    SELECT age, power(2::numeric, -age::numeric / %(half_life)s::numeric) AS weight
-      FROM generate_series(0, %(window_days)s - 1) AS age
-), scores AS (
-    SELECT d.card_id,
-           round(coalesce(sum(greatest(d.delta, 0) * w.weight), 0), 4) AS score
-      FROM deltas d
-      LEFT JOIN weights w ON w.age = %(as_of)s::date - d.run_date AND d.delta IS NOT NULL
-     GROUP BY d.card_id
+), locked AS (
+    SELECT c.id
+      FROM {cards} c
+     WHERE c.id IN (SELECT card_id FROM snap) AND c.status IS DISTINCT FROM 'Delisted'
+     ORDER BY c.id
+       FOR NO KEY UPDATE OF c SKIP LOCKED
+), todo AS (
+    SELECT i.card_id, i.score FROM input i JOIN locked l ON l.id = i.card_id
 ), updated AS (
     UPDATE {cards} c
-       SET popularity_score = s.score, updated_at = clock_timestamp()
-      FROM scores s
-     WHERE c.id = s.card_id
-       AND s.score <= 99999999.9999
-       AND c.popularity_score IS DISTINCT FROM s.score
+       SET popularity_score = t.score, updated_at = clock_timestamp()
+      FROM todo t
+     WHERE c.id = t.card_id
+       AND t.score <= 99999999.9999
+       AND c.popularity_score IS DISTINCT FROM t.score
     RETURNING c.id
+), undo AS (
+    -- the statement's snapshot: what was stored before the upsert above
+    SELECT i.card_id, o.cumulative_views AS views, o.created_at
+      FROM input i
+      LEFT JOIN catalog.popularity_daily_views o
+        ON o.card_kind = %(kind)s AND o.card_id = i.card_id AND o.run_date = %(as_of)s::date
+     WHERE i.card_id NOT IN (SELECT id FROM locked)
 )
-SELECT (SELECT count(*) FROM snap)    AS snapshots_written,
-       (SELECT count(*) FROM updated) AS cards_updated,
+SELECT (SELECT count(*) FROM updated) AS cards_updated,
+       (SELECT count(*) FROM todo)    AS cards_locked,
        (SELECT coalesce(array_agg(card_id::text ORDER BY card_id), '{}')
-          FROM scores WHERE score > 99999999.9999) AS overflow_ids
+          FROM todo WHERE score > 99999999.9999) AS overflow_ids,
+       (SELECT coalesce(array_agg(c.id::text ORDER BY c.id), '{}')
+          FROM {cards} c
+         WHERE c.id IN (SELECT card_id FROM undo) AND c.status IS DISTINCT FROM 'Delisted')
+           AS skipped_ids,
+       (SELECT coalesce(array_agg(card_id::text ORDER BY card_id), '{}') FROM undo) AS undo_ids,
+       (SELECT array_agg(views ORDER BY card_id) FROM undo) AS undo_views,
+       (SELECT array_agg(created_at ORDER BY card_id) FROM undo) AS undo_created
