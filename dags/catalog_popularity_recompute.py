@@ -28,11 +28,18 @@ run with another `window_days` / `half_life_days` works passes of its own, never
   tasks (it resumes from its cursor), or let the next night recompute (a newer date supersedes
   the unfinished pass). `status: success` means both passes completed and nothing is left;
   `scores_as_of_date` is the newest date whose two passes completed.
+- `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the
+  batches waited (README "Pacing on the database's health"); a run whose budget ran out paused
+  ends `backlog_remaining`, and the next run resumes.
 - `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
   numeric(12,4), an update a trigger or constraint rejects: `pin_nightly.item_error`); the log
   lists `card_kind` and `card_id` at ERROR. Fix the data; the next run picks them up.
 - `nothing written: snapshots dated after today`: delete those rows (README, Runbook).
 - scores stale (`scores_as_of_date` more than 30 h old): no run completed both passes lately.
+
+**Downstream**: `publish` updates the asset `catalog_popularity_scores` when the run completed
+both passes of its `as_of_date`; it is skipped (no event) for dry, targeted, skipped or
+unfinished runs.
 
 Targeted recompute: trigger with `{"card_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
 Full runbook: README.md, section "Runbook".
@@ -78,7 +85,8 @@ with DAG(
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
         instant = jobs.run_instant(logical_date, dag_run.run_after)
-        opts = catalog.validate_options(params, instant, dag_run.run_id)
+        nightly = jobs.is_nightly(dag_run.run_type)
+        opts = catalog.validate_options(params, instant, dag_run.run_id, nightly)
         catalog.check_as_of_date(opts)
         return opts
 
@@ -110,7 +118,12 @@ with DAG(
     @teardown
     @task(pool=POOL)
     def release_lease(lease: dict | None) -> bool:
-        return jobs.release_lease(catalog.JOB, lease)
+        return jobs.release_lease(catalog.JOB, lease, catalog.emit_state)
+
+    # An asset event when the run completed both passes of its date (skipped, no event, otherwise)
+    @task(pool=POOL, outlets=[catalog.SCORES_ASSET])
+    def publish(summary: dict, outlet_events=None) -> dict:
+        return jobs.publish(catalog.SCORES_ASSET, catalog.asset_extra(summary), outlet_events)
 
     opts = validate_options()
     lease = acquire_lease(opts)
@@ -126,4 +139,6 @@ with DAG(
         )
     pruned = retention(opts)
     done >> pruned
-    summarize(opts, pruned) >> release_lease(lease)
+    summary = summarize(opts, pruned)
+    summary >> release_lease(lease)
+    publish(summary)

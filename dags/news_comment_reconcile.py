@@ -24,13 +24,20 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   timeout: README "Session bounds"), then clear that task instance: it resumes from its cursor.
   Cleared after a later run adopted its range, it writes nothing and says `superseded by the
   run ...` (green).
+- `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the
+  batches waited (README "Pacing on the database's health"); a run whose budget ran out paused
+  ends `backlog_remaining`, and the next run resumes.
 - `item_errors` > 0: a post could not be written (a trigger or constraint rejected it); the
   others were, the range went on. `pin_nightly.item_error` has the post and its error.
-- `drift_corrected` above `drift_alert_threshold`: a bug in the hot-path increment; the job
+- drift alert (a nightly run: corrections since the previous nightly summary above
+  `drift_alert_threshold`; a manual run: its own): a bug in the hot-path increment; the job
   treats the symptom. `pin_nightly.news_drift` lists every correction.
 - backlog not draining (`backlog_remaining` night after night, no completed FullSweep for 8
   days): raise `max_run_duration_minutes` (and `lock_ttl_minutes`), add pool slots, look for
   long-held row locks.
+
+**Downstream**: `publish` updates the asset `news_comment_counts` when the run completed its
+sweep; it is skipped (no event) for dry, targeted, skipped or unfinished runs.
 
 Targeted repair: trigger with `{"post_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
 Full runbook: README.md, section "Runbook".
@@ -76,7 +83,8 @@ with DAG(
     @task(pool=POOL)
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
-        return news.validate_options(params, jobs.run_instant(logical_date, dag_run.run_after))
+        instant = jobs.run_instant(logical_date, dag_run.run_after)
+        return news.validate_options(params, instant, jobs.is_nightly(dag_run.run_type))
 
     @setup
     @task(pool=POOL)
@@ -102,10 +110,17 @@ with DAG(
     @teardown
     @task(pool=POOL)
     def release_lease(lease: dict | None) -> bool:
-        return jobs.release_lease(news.JOB, lease)
+        return jobs.release_lease(news.JOB, lease, news.emit_state)
+
+    # An asset event when the run completed its sweep (skipped, no event, otherwise)
+    @task(pool=POOL, outlets=[news.COUNTS_ASSET])
+    def publish(summary: dict, outlet_events=None) -> dict:
+        return jobs.publish(news.COUNTS_ASSET, news.asset_extra(summary), outlet_events)
 
     opts = validate_options()
     lease = acquire_lease(opts)
     ranges = plan_ranges(opts, lease)
     done = reconcile_range.partial(opts=opts, lease=lease).expand(rng=ranges)
-    done >> summarize(opts) >> release_lease(lease)
+    summary = summarize(opts)
+    done >> summary >> release_lease(lease)
+    publish(summary)

@@ -8,15 +8,22 @@ import subprocess
 import sys
 import textwrap
 import threading
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 SCRIPT = textwrap.dedent("""
     # the test session's Airflow environment, inherited
-    from tools.rundag import run_dag
-    for dag_id, conf in (("news_comment_reconcile", {{"scope": "FullSweep"}}),
-                         ("catalog_popularity_recompute", {{}})):
-        r = run_dag(dag_id, conf)
-        assert r["state"] == "success", r
+    from datetime import UTC, datetime
+    from tools.rundag import clear_and_resume, run_dag
+    # a scheduled news run (only those set the nightly gauges), its summary then run again
+    slot = datetime(2026, 1, 5, tzinfo=UTC)
+    r = run_dag("news_comment_reconcile", {{"scope": "FullSweep"}}, logical_date=slot,
+                run_id="scheduled__" + slot.isoformat())
+    assert r["state"] == "success", r
+    again = clear_and_resume("news_comment_reconcile", r["run_id"], ["summarize"],
+                             only_failed=False)
+    assert again["state"] == "success", again
+    r = run_dag("catalog_popularity_recompute", {{}})
+    assert r["state"] == "success", r
 """)
 
 
@@ -77,9 +84,13 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
         "airflow.catalog_popularity_recompute_cards_total,card_kind=PropertyObject:1|c",
     ):
         assert line in text, f"{line} not in {packets[:50]}"
+    # the summary run again sent no counter, and the same last-success time
+    assert text.count("airflow.news_comment_reconcile_drift_corrected_total:") == 1
+    assert text.count("airflow.news_comment_reconcile_run_duration_ms:") == 1
+    success = [p for p in packets if "news_comment_reconcile_last_success_timestamp" in p]
+    assert len(success) == 2 and len(set(success)) == 1, success
     for name in (
         "airflow.news_comment_reconcile_run_duration_ms:",
-        "airflow.news_comment_reconcile_last_success_timestamp_seconds:",
         "airflow.news_comment_reconcile_last_full_sweep_timestamp_seconds:",
         "airflow.catalog_popularity_score_staleness_hours:",
         "airflow.catalog_popularity_recompute_scored_date_timestamp_seconds:",
@@ -112,10 +123,17 @@ FAILURES = textwrap.dedent("""
 def test_every_failed_task_counts_and_only_finished_work_is_a_success(news_db, catalog_db):
     """A failure in a task that is not a range task (news plan_ranges, the popularity summary)
     counts in errors_total; a news run that leaves its sweep unfinished reports the backlog
-    and refreshes neither the last-success nor the last-FullSweep gauge."""
+    and refreshes neither the last-success nor the last-FullSweep gauge. A popularity night
+    whose summary failed after both passes completed is still seen as scored: the teardown
+    sends the scored date."""
     news_db.posts(3, drift_every=1)
     catalog_db.card(views=9)
-    text = "\n".join(statsd_packets(FAILURES))
+    packets = statsd_packets(FAILURES)
+    text = "\n".join(packets)
+    today = datetime.combine(catalog_db.today(), datetime.min.time(), UTC).timestamp()
+    gauge = "airflow.catalog_popularity_recompute_scored_date_timestamp_seconds:"
+    scored = [float(p[len(gauge) :].split("|")[0]) for p in packets if p.startswith(gauge)]
+    assert scored == [today], scored
     assert "airflow.news_comment_reconcile_errors_total:1|c" in text
     assert "airflow.catalog_popularity_recompute_errors_total:1|c" in text
     assert "airflow.news_comment_reconcile_backlog_remaining:1|g" in text

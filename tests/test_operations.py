@@ -151,6 +151,41 @@ def test_a_deadline_miss_reaches_the_webhook(stack):
     assert "deadline" in hits[0]
 
 
+def test_a_run_with_a_budget_of_its_own_is_over_budget_only_past_it(stack):
+    """run_over_budget fires at the DAG's default budget (2 s in this stack); a run whose conf
+    gives it a larger one (lock_ttl_minutes) is reported only when it has not finished within
+    its own, with that budget in the message."""
+
+    def over_budget(run_id: str) -> list:
+        return [
+            r
+            for r in stack.hook.received
+            if r.get("deadline_alert") == "run_over_budget" and r.get("run_id") == run_id
+        ]
+
+    own = {"scope": "FullSweep", "lock_ttl_minutes": 3, "max_run_duration_minutes": 2}
+    within = stack.trigger(NEWS, own)
+    assert stack.wait_run(NEWS, within) == "success"
+    pool = lambda n: stack.request(  # noqa: E731
+        "PATCH",
+        f"/api/v2/pools/{NEWS}?update_mask=slots",
+        {"pool": NEWS, "slots": n, "include_deferred": False},
+    )
+    pool(0)  # the next run cannot start: it overruns its 18 s
+    try:
+        late = stack.trigger(
+            NEWS, {**own, "lock_ttl_minutes": 0.3, "max_run_duration_minutes": 0.2}
+        )
+        [msg] = helpers.wait_for(lambda: over_budget(late), timeout=120, what="the alert")
+        assert "had not finished 18 s after it was queued" in msg["description"]
+        assert msg["run_state"] in ("queued", "running")
+    finally:
+        pool(1)
+    assert stack.wait_run(NEWS, late) == "success"
+    # the first run ended well within its own 3 minutes, long before the alert above
+    assert over_budget(within) == []
+
+
 def test_a_run_waits_while_its_pool_is_full(stack):
     set_slots = lambda n: stack.request(  # noqa: E731
         "PATCH",

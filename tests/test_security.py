@@ -247,7 +247,7 @@ def test_missing_job_tables_are_reported_not_created_by_the_job_role(news_job, c
     text = out.out + out.err + caplog.text
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
     assert (
-        "job-owned tables are missing or out of date (pin_nightly.sweep_open_owner does not "
+        "job-owned tables are missing or out of date (pin_nightly.run_signal does not "
         "exist) and this role may not change them: a DBA applies "
         "include/sql/schema/pin_nightly.sql"
     ) in text

@@ -102,21 +102,24 @@ def notify(kind: str, payload: dict[str, Any]) -> bool:
     return True
 
 
-def drift_alert(dag_id: str, run_id: str, result: dict[str, Any], threshold: int) -> None:
-    """Called by the news summary, inside the run, when it corrected more than ``threshold``."""
+def drift_alert(
+    dag_id: str, run_id: str, drift_corrected: int, threshold: int, counted: str
+) -> None:
+    """Sent once by a run's summary when more posts than ``threshold`` were corrected
+    (``counted``: since the previous nightly run's summary, or in this run)."""
     from airflow.sdk.configuration import conf
 
-    corrected = result["drift_corrected"]
     log.error(
-        "drift spike: %s run %s corrected %s posts (threshold %s); look for a bug in the "
+        "drift spike: %s run %s: %s posts corrected %s (threshold %s); look for a bug in the "
         "hot-path increment (INV-CMT-005)",
         dag_id,
         run_id,
-        corrected,
+        drift_corrected,
+        counted,
         threshold,
     )
     description = (
-        f"the run corrected the comments_count of {corrected} posts, more than its "
+        f"the comments_count of {drift_corrected} posts was corrected {counted}, more than the "
         f"drift_alert_threshold of {threshold}: the hot-path increment has a bug"
     )
     notify(
@@ -130,8 +133,9 @@ def drift_alert(dag_id: str, run_id: str, result: dict[str, Any], threshold: int
                 "running",  # sent by the run's own summary task
                 base_url(conf),
             ),
-            "drift_corrected": corrected,
+            "drift_corrected": drift_corrected,
             "threshold": threshold,
+            "counted": counted,
         },
     )
     metrics.incr("news_comment_reconcile_drift_alerts_total")

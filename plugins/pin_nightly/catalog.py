@@ -1,20 +1,23 @@
 """catalog_popularity_recompute: daily snapshots of the cumulative view counters of catalog
 cards and a 30-day exponentially decayed ``popularity_score`` computed from their deltas.
 
-Each batch is one transaction: lock the batch's cards ``FOR NO KEY UPDATE SKIP LOCKED``; upsert
-today's snapshot of each counter; compute the batch's scores from the snapshots in the window in
-one query; write ``popularity_score`` and ``updated_at`` only where the score changes.
+Each batch is one transaction of two statements: read the batch's cards and compute, without
+any row lock, each card's snapshot (its counter) and score (from the snapshots in the window and
+that value); then, in one short statement, lock the cards ``FOR NO KEY UPDATE SKIP LOCKED``,
+upsert the snapshots of those locked and write ``popularity_score`` and ``updated_at`` only where
+the score changes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
 import pendulum
-from airflow.sdk import Param
+from airflow.sdk import Asset, Param
 
 from pin_nightly import jobs, keyset, metrics
 from pin_nightly import lease as leases
@@ -64,10 +67,14 @@ JOB = JobDef(
     lock_key="Pin:lock:job:scheduled:catalog-popularity-recompute",
     domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
     owned_ddl=[
-        ("pin_nightly.sweep_open_owner", "schema/pin_nightly"),
+        ("pin_nightly.run_signal", "schema/pin_nightly"),
         ("catalog.popularity_daily_views", "schema/catalog_popularity"),
     ],
 )
+
+# Published when a run completed both passes of its as_of_date: other teams' DAGs schedule on
+# it by this name.
+SCORES_ASSET = Asset("catalog_popularity_scores")
 
 _MAX_WINDOW_DAYS = 3660  # larger overflows PostgreSQL's dates half-way through a run
 
@@ -129,10 +136,10 @@ def card_sql(name: str, kind: str) -> str:
 
 
 def validate_options(
-    params: dict[str, Any], run_instant: datetime, run_id: str | None = None
+    params: dict[str, Any], run_instant: datetime, run_id: str | None = None, nightly: bool = False
 ) -> dict[str, Any]:
     """Check every option and the rules across them; fix as_of_date (``run_instant``'s day in
-    UTC). No database access."""
+    UTC; ``nightly``: a scheduled run, see :func:`jobs.is_nightly`). No database access."""
     p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
     errors: list[str] = []
     card_ids = parse_uuids("card_ids", p["card_ids"], errors)
@@ -144,7 +151,9 @@ def validate_options(
         **p,
         "card_ids": card_ids,
         "as_of_date": instant.date().isoformat(),
+        "run_instant": instant.isoformat(),
         "run_tag": jobs.run_tag(),
+        "nightly": nightly,
     }
     log.info(
         "run started: run=%s as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
@@ -275,9 +284,15 @@ def formula_variant(opts: dict[str, Any]) -> str:
 @dataclass
 class Recompute(keyset.SweepJob):
     """The snapshot and rescore of one sweep's cards of ``kind`` (all of them, or the run's
-    ``card_ids``)."""
+    ``card_ids``): per batch, ``catalog/compute`` (no row lock), then ``catalog/apply`` (the
+    batch's row locks and all its writes, one statement)."""
 
     kind: str
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The tables its batches write (pacing watches their vacuum)."""
+        return (KINDS[self.kind].table, "catalog.popularity_daily_views")
 
     @property
     def source(self) -> dict[str, Any]:
@@ -291,23 +306,46 @@ class Recompute(keyset.SweepJob):
         )
 
     def batch(self, cur, after_id, upper_id, limit: int) -> keyset.Batch:
-        params = {"after_id": after_id, "upper_id": upper_id, "limit": limit, **self.source}
-        cur.execute(card_sql("lock", self.kind), params)
-        return self._recompute(cur, limit)
+        bounds = {"after_id": after_id, "upper_id": upper_id, "limit": limit, **self.source}
+        return self._write(cur, self._compute(cur, bounds), limit)
 
     def retry(self, cur, ids: list[str]) -> keyset.Batch:
-        cur.execute(card_sql("ids_lock", self.kind), {"ids": ids})
-        return self._recompute(cur, 1)
+        bounds = {"after_id": None, "upper_id": None, "limit": len(ids)}
+        rows = self._compute(cur, {**bounds, "targeted": True, "card_ids": ids})
+        if rows:  # wait for their locks (lock_timeout), then write as a batch does
+            cur.execute(card_sql("lock", self.kind), {"ids": [r["id"] for r in rows]})
+        return self._write(cur, rows, len(ids))
 
-    def _recompute(self, cur, limit: int) -> keyset.Batch:
-        """Snapshot and rescore the cards the lock statement just locked."""
+    @property
+    def formula(self) -> dict[str, Any]:
+        o = self.opts
+        return {
+            "kind": self.kind,
+            "as_of": o["as_of_date"],
+            "window_days": o["window_days"],
+            "half_life": o["half_life_days"],
+        }
+
+    def _compute(self, cur, bounds: dict[str, Any]) -> list[dict[str, Any]]:
+        """Statement 1, without any row lock: the next cards, their counters, and the score
+        each gets with its counter as tonight's snapshot (docs/design.md says why no lock is
+        needed)."""
+        # the generic plan of this statement is ~20 % slower than a custom one, and
+        # planning it is cheap next to executing it (bench/RESULTS.md)
+        cur.execute(sql("common/custom_plans"))
+        cur.execute(card_sql("compute", self.kind), {**bounds, **self.formula})
+        return fetch_dicts(cur)
+
+    def _write(self, cur, rows: list[dict[str, Any]], limit: int) -> keyset.Batch:
+        """Statement 2 for the cards statement 1 read: write the values computed for them in
+        one statement that locks them SKIP LOCKED after its snapshot upsert and before its score
+        writes (card by card when one card makes it fail, see keyset.isolate_items); the cards
+        it did not lock get their snapshot put back (``catalog/unapply``). The batch's row locks
+        are held from there to the commit."""
         kind, opts = self.kind, self.opts
-        rows = fetch_dicts(cur)
         if not rows:
             return keyset.Batch(keyset.Counters())
-        locked = [r for r in rows if r["locked"]]
-        skipped = [r["id"] for r in rows if not r["locked"]]
-        poison = [r for r in locked if r["views"] is None or r["views"] < 0]
+        poison = [r for r in rows if r["views"] is None or r["views"] < 0]
         for r in poison:
             log.error(
                 "item failed: card_kind=%s card_id=%s: popularity_views is %s; no snapshot "
@@ -316,31 +354,35 @@ class Recompute(keyset.SweepJob):
                 r["id"],
                 r["views"],
             )
-        out = {"snapshots_written": 0, "cards_updated": 0, "overflow_ids": []}
-        if len(locked) > len(poison):
+        valid = {r["id"]: r for r in rows if r["views"] is not None and r["views"] >= 0}
+        out: dict[str, Any] = {"cards_updated": 0, "cards_locked": 0}
+        out.update(overflow_ids=[], skipped_ids=[])
+        failed: list[str] = []
+        if valid:
             if opts["dry_run"]:
                 cur.execute(sql("common/savepoint"))
-            # the generic plan of this statement is ~20 % slower than a custom one, and
-            # planning it is cheap next to executing it (bench/RESULTS.md)
-            cur.execute(sql("common/custom_plans"))
-            views = {r["id"]: r["views"] for r in locked}
-            formula = {"as_of": opts["as_of_date"], "window_days": opts["window_days"]}
-            formula.update(kind=kind, half_life=opts["half_life_days"])
 
             def apply(ids: list[str]) -> list[dict[str, Any]]:
-                params = {**formula, "ids": ids, "views": [views[i] for i in ids]}
+                params = {"kind": kind, "as_of": opts["as_of_date"], "ids": ids}
+                params["views"] = [valid[i]["views"] for i in ids]
+                params["scores"] = [valid[i]["score"] for i in ids]
                 cur.execute(card_sql("apply", kind), params)
-                return fetch_dicts(cur)
+                res = fetch_dicts(cur)
+                r = res[0]
+                if r["undo_ids"]:  # the cards not locked keep no snapshot of tonight
+                    undo = {"ids": r["undo_ids"], "views": r["undo_views"]}
+                    undo.update(created=r["undo_created"], kind=kind, as_of=opts["as_of_date"])
+                    cur.execute(card_sql("unapply", kind), undo)
+                return res
 
             parts, failed = keyset.isolate_items(
-                cur, list(views), apply, JOB.code, self.run_id, self.sweep_id, "card_id"
+                cur, list(valid), apply, JOB.code, self.run_id, self.sweep_id, "card_id"
             )
-            out = {
-                "snapshots_written": sum(p["snapshots_written"] for p in parts),
-                "cards_updated": sum(p["cards_updated"] for p in parts),
-                "overflow_ids": [i for p in parts for i in p["overflow_ids"]],
-            }
-            poison.extend({"id": i} for i in failed)
+            for p in parts:
+                for k in ("cards_updated", "cards_locked"):
+                    out[k] += int(p[k])
+                out["overflow_ids"] += p["overflow_ids"]
+                out["skipped_ids"] += p["skipped_ids"]
             if opts["dry_run"]:
                 cur.execute(sql("common/rollback_to_savepoint"))
         for card_id in out["overflow_ids"]:
@@ -351,18 +393,19 @@ class Recompute(keyset.SweepJob):
                 card_id,
                 MAX_SCORE,
             )
-        errors = len(poison) + len(out["overflow_ids"])
-        log.debug("batch %s: rows=%d updated=%d", kind, len(locked), out["cards_updated"])
+        errors = len(poison) + len(failed) + len(out["overflow_ids"])
+        processed = out["cards_locked"] + len(poison) + len(failed)
+        log.debug("batch %s: rows=%d updated=%d", kind, processed, out["cards_updated"])
         return keyset.Batch(
             keyset.Counters(
-                processed=len(locked),
-                changed=int(out["cards_updated"]),
-                written=int(out["snapshots_written"]),
+                processed=processed,
+                changed=out["cards_updated"],
+                written=out["cards_locked"],  # each card locked got its snapshot
                 item_errors=errors,
             ),
             last_id=rows[-1]["id"],
             full=len(rows) >= limit,
-            skipped_ids=skipped,
+            skipped_ids=out["skipped_ids"],
         )
 
 
@@ -437,8 +480,10 @@ def summarize(
         "snapshots_pruned": pruned or 0,
         "scores_as_of_date": None,
         "score_staleness_hours": None,
+        "targeted": bool(opts["card_ids"]),
+        "resumed": False,
     }
-    scored = None
+    scored = signals = None
     with connection(JOB.conn_id) as conn:
         if lease is None:
             result["status"] = LOCK_HELD
@@ -467,6 +512,10 @@ def summarize(
             if opts["dry_run"]:  # nothing was written: report what would have been
                 result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
                 result.update({k: 0 for k in DRY_RUN_FIELDS})
+            result["resumed"] = jobs.resumed(totals, lease)
+            if not opts["dry_run"]:  # a dry run sends nothing
+                build = functools.partial(_signals, opts, result)
+                signals = jobs.summary_signals(conn, JOB, lease, opts, run_id, build)
         keyset.write_run_log(
             conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
         )
@@ -480,27 +529,67 @@ def summarize(
     )
     if lease is not None:
         release_lease(JOB, lease_data)
-        if not opts["dry_run"]:
-            _emit(result, scored, targeted=bool(opts["card_ids"]))
+        if signals is not None:
+            metrics.gauge(f"{METRIC}_backlog_remaining", int(result["backlog_remaining"]))
+            emit_state()
+            signals[0].send(signals[1])
     return result
 
 
-def _emit(result: dict[str, Any], scored: dict[str, Any] | None, targeted: bool) -> None:
-    metrics.timing(f"{METRIC}_duration_seconds", result["duration_ms"])
-    for k in CARD_KINDS:
-        metrics.incr(
-            f"{METRIC}_cards_total", result[f"{k.result}_processed"], tags={"card_kind": k.name}
-        )
-    metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_written"], tags={"op": "written"})
-    metrics.incr(f"{METRIC}_snapshots_total", result["snapshots_pruned"], tags={"op": "pruned"})
-    metrics.incr(f"{METRIC}_errors_total", result["item_errors"])
-    metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
+def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly: bool):  # noqa: ARG001
+    """What the run's first summary sends: what it did, and the time its work completed."""
+    signals = jobs.Signals(
+        counters=[
+            *(
+                [f"{METRIC}_cards_total", result[f"{k.result}_processed"], {"card_kind": k.name}]
+                for k in CARD_KINDS
+            ),
+            [f"{METRIC}_snapshots_total", result["snapshots_written"], {"op": "written"}],
+            [f"{METRIC}_snapshots_total", result["snapshots_pruned"], {"op": "pruned"}],
+            [f"{METRIC}_errors_total", result["item_errors"], None],
+        ],
+        # the exporter's mapping turns the milliseconds into the spec's seconds
+        timings=[[f"{METRIC}_duration_seconds", result["duration_ms"], None]],
+    )
+    # success means the nightly work was done: both passes, nothing left, not a targeted run
+    if result["status"] == "success" and not opts["card_ids"]:
+        done = window.work_done_at.timestamp()
+        signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
+    return signals
+
+
+def emit_state() -> None:
+    """The gauges of how fresh the scores are, from the database: the newest as_of_date whose
+    passes all completed and its age. Sent by the summary and again by the teardown, which runs
+    when the summary failed (a complete night whose summary was lost is still seen)."""
+    with connection(JOB.conn_id) as conn:
+        keyset.close_finished(conn, JOB.code)
+        with transaction(conn) as cur:
+            cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
+            scored = fetch_one_dict(cur)
     if scored is not None:
         metrics.gauge("catalog_popularity_score_staleness_hours", scored["staleness_hours"])
         metrics.gauge(f"{METRIC}_scored_date_timestamp_seconds", scored["as_of_epoch"])
-    # success means the nightly work was done: both passes, nothing left, not a targeted run
-    if result["status"] == "success" and not targeted:
-        metrics.last_success(METRIC)
+
+
+def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The extra of the scores' asset event for a run's result, or None when the run published
+    no fresh scores: only a real run (not dry, not targeted) that completed both passes of its
+    as_of_date and left nothing unfinished."""
+    if (
+        result["status"] != "success"
+        or result["dry_run"]
+        or result.get("targeted")
+        or result["scores_as_of_date"] != result["as_of_date"]
+    ):
+        return None
+    return {
+        "as_of_date": result["as_of_date"],
+        "cards_scored": sum(result[f"{k.result}_processed"] for k in CARD_KINDS),
+        "snapshots_written": result["snapshots_written"],
+        "resumed": result["resumed"],
+        "run_id": result["run_id"],
+    }
 
 
 def task_failed(context: dict[str, Any]) -> None:

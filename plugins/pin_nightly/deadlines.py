@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pin_nightly import alerts, metrics
@@ -132,15 +132,74 @@ def describe(
     }
 
 
+def own_budget_seconds(context: dict[str, Any] | None) -> float | None:
+    """The run's own budget in seconds: the ``lock_ttl_minutes`` of its conf (the longest the run
+    may hold the job, as the DAG's default TTL is for the default budget); None when the run
+    keeps the default."""
+    conf = (((context or {}).get("dag_run") or {}).get("conf")) or {}
+    ttl = conf.get("lock_ttl_minutes")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+        return None
+    return float(ttl) * 60
+
+
+FINISHED = ("success", "failed")
+POLL_SECONDS = 5.0
+
+
+async def _run_state(dag_id: str, run_id: str) -> str:
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+    from asgiref.sync import sync_to_async
+
+    state = await sync_to_async(RuntimeTaskInstance.get_dagrun_state)(dag_id, run_id)
+    return str(getattr(state, "value", state))  # a DagRunState, or its value
+
+
+async def within_own_budget(
+    context: dict[str, Any], interval_seconds: float | None, poll: float = POLL_SECONDS
+) -> tuple[bool, float | None]:
+    """For ``run_over_budget``: a run given a larger budget than the DAG's default (its conf's
+    ``lock_ttl_minutes``) is over budget only past its own. Wait (in the triggerer) until then,
+    or until the run finishes; return whether it finished within its own budget, and the
+    interval the alert reports."""
+    own = own_budget_seconds(context)
+    if own is None or interval_seconds is None or own <= interval_seconds:
+        return False, interval_seconds
+    run = context["dag_run"]
+    dag_id, run_id = run.get("dag_id"), run.get("dag_run_id") or run.get("run_id")
+    queued = datetime.fromisoformat(str(run.get("queued_at") or run.get("run_after")))
+    due = queued + timedelta(seconds=own)
+    log.info(
+        "run %s of %s has a budget of its own (%s): over budget only after %s",
+        run_id,
+        dag_id,
+        _span(own),
+        due.isoformat(),
+    )
+    while (left := (due - datetime.now(UTC)).total_seconds()) > 0:
+        state = await _run_state(dag_id, run_id)
+        if state in FINISHED:
+            log.info("run %s of %s ended (%s) within its own budget", run_id, dag_id, state)
+            return True, own
+        await asyncio.sleep(min(poll, left))
+    run["state"] = await _run_state(dag_id, run_id)
+    return run["state"] in FINISHED, own
+
+
 async def deadline_missed(
     alert: str,
     context: dict[str, Any] | None = None,
     interval_seconds: float | None = None,
     **_: Any,
 ) -> None:
-    """Deadline callback (runs in the triggerer): log at ERROR, notify, count."""
+    """Deadline callback (runs in the triggerer): log at ERROR, notify, count. A run over the
+    DAG's default budget but within a larger one of its own waits for that first."""
     from airflow.configuration import conf
 
+    if alert == "run_over_budget" and context:
+        ended, interval_seconds = await within_own_budget(context, interval_seconds)
+        if ended:
+            return
     info = describe(alert, context, interval_seconds, alerts.base_url(conf))
     log.error(
         "deadline missed (%(deadline_alert)s): dag=%(dag_id)s run=%(run_id)s "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,6 +18,7 @@ from pin_nightly.db import (
     check_columns,
     connection,
     ensure_schema,
+    fetch_one_dict,
     has_index_on,
     sql,
     transaction,
@@ -43,6 +45,7 @@ class JobDef:
     # (retention param in days, statement that prunes past it) of the job-owned history
     history: tuple[tuple[str, str], ...] = (
         ("run_log_retention_days", "common/prune_run_log"),
+        ("run_log_retention_days", "common/prune_signals"),
         ("sweep_retention_days", "common/prune_sweeps"),
         ("item_error_retention_days", "common/prune_item_errors"),
     )
@@ -118,6 +121,58 @@ def common_params(
         ),
         "item_error_retention_days": retention_param(
             "rows a batch could not write (pin_nightly.item_error)"
+        ),
+        **pace_params(),
+    }
+
+
+def pace_params() -> dict[str, Any]:
+    """The limits of pacing on the database's health (README, "Pacing on the database's
+    health"); defaults in :data:`health.PARAMS`. A number of 0 turns its signal off."""
+    from airflow.sdk import Param
+
+    from pin_nightly.health import PARAMS as PACE
+
+    off = "; 0 turns it off"
+
+    def number(param: str, what: str, integer: bool = False) -> Param:
+        return Param(
+            PACE[param][1],
+            type="integer" if integer else "number",
+            minimum=0,
+            description=f"Pause batches while {what}{off}",
+        )
+
+    return {
+        "pace_max_replica_lag_seconds": number(
+            "pace_max_replica_lag_seconds",
+            "a streaming replica's replay lag (pg_stat_replication) is over this many seconds",
+        ),
+        "pace_max_replica_lag_mb": number(
+            "pace_max_replica_lag_mb",
+            "a streaming replica has more than this many MB of WAL not replayed yet",
+        ),
+        "pace_on_vacuum": Param(
+            PACE["pace_on_vacuum"][1],
+            type="boolean",
+            description="Pause batches while a VACUUM (autovacuum or manual) runs on a table "
+            "they write",
+        ),
+        "pace_max_wal_mb_per_second": number(
+            "pace_max_wal_mb_per_second",
+            "the server writes more than this many MB of WAL per second (over the last ~10 s "
+            "of the range's work)",
+        ),
+        "pace_max_archive_backlog_segments": number(
+            "pace_max_archive_backlog_segments",
+            "more than this many WAL segments wait for the archiver (when archive_mode is on)",
+            integer=True,
+        ),
+        "pace_max_lock_waiters": number(
+            "pace_max_lock_waiters",
+            "more than this many sessions were waiting for the job's row locks at the end of "
+            "the last batch",
+            integer=True,
         ),
     }
 
@@ -223,15 +278,22 @@ def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
     return leases.Lease.from_xcom(data)
 
 
-def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
+def release_lease(
+    job: JobDef, lease_data: dict[str, Any] | None, emit_state: Callable[[], None] | None = None
+) -> bool:
     """Release the lease if this run holds it: the teardown task, and the summary (the
-    teardown does not run again when only a run's failed tasks are cleared)."""
+    teardown does not run again when only a run's failed tasks are cleared). The teardown also
+    sends the job's state gauges (``emit_state``): it runs when the summary failed, and the
+    work a run completed is then still seen."""
     lease = lease_from_xcom(lease_data)
     if lease is None:
         log.info("no lease was taken by this run: nothing to release")
         return False
     with connection(job.conn_id) as conn:
-        return leases.release(conn, lease)
+        released = leases.release(conn, lease)
+    if emit_state is not None:
+        emit_state()
+    return released
 
 
 def prune_history(conn, job: JobDef, opts: dict[str, Any]) -> dict[str, int]:
@@ -243,10 +305,115 @@ def prune_history(conn, job: JobDef, opts: dict[str, Any]) -> dict[str, int]:
     with transaction(conn) as cur:
         for param, statement in job.history:
             cur.execute(sql(statement), {"job": job.code, "days": opts[param]})
-            pruned[param] = cur.rowcount
+            pruned[param] = pruned.get(param, 0) + cur.rowcount
     if any(pruned.values()):
         log.info("job history past its retention deleted: %s", pruned)
     return pruned
+
+
+def resumed(totals: list[dict[str, Any]], lease: leases.Lease) -> bool:
+    """Whether the acquisition worked a sweep opened before it began (it resumed earlier
+    work), from :func:`keyset.run_totals`."""
+    began = datetime.fromisoformat(lease.acquired_at)
+    return any(t["started_at"] < began for t in totals)
+
+
+def is_nightly(run_type: Any) -> bool:
+    """Whether a run of this type is the nightly work: a scheduled run (not one triggered by
+    hand, a backfill or an asset). Only nightly runs set the gauges that describe the nightly
+    work (a targeted repair of 3 posts must not clear a drift alert)."""
+    return str(getattr(run_type, "value", run_type)) == "scheduled"
+
+
+@dataclass
+class Signals:
+    """What a summary sends: metrics declared in :data:`metrics.METRICS` (``[name, value,
+    tags]``) and an alert (``None``: no alert). Gauges describe a state and are sent again by a
+    summary run again; counters, timings and the alert are sent once per acquisition."""
+
+    counters: list = field(default_factory=list)
+    timings: list = field(default_factory=list)
+    gauges: list = field(default_factory=list)
+    alert: dict[str, Any] | None = None
+
+    def send(self, first: bool, alert: Callable[[dict[str, Any]], None] | None = None) -> None:
+        for name, value, tags in self.gauges:
+            metrics.gauge(name, value, tags=tags)
+        if not first:
+            log.info("this run's summary was sent before: counters and alerts not sent again")
+            return
+        for name, value, tags in self.counters:
+            metrics.incr(name, value, tags=tags)
+        for name, value, tags in self.timings:
+            metrics.timing(name, value, tags=tags)
+        if self.alert is not None and alert is not None:
+            alert(self.alert)
+
+
+@dataclass(frozen=True)
+class SignalWindow:
+    """What a summary counts (see ``common/signal_window``)."""
+
+    since_any: datetime
+    since_nightly: datetime
+    through: datetime
+    work_done_at: datetime
+    current: bool
+    acquired_at: str  # the acquisition's start
+
+
+def summary_signals(
+    conn,
+    job: JobDef,
+    lease: leases.Lease,
+    opts: dict[str, Any],
+    run_id: str,
+    build: Callable[[Any, SignalWindow, bool], Signals],
+) -> tuple[Signals, bool]:
+    """The signals of the acquisition's summary and whether this is its first summary: built
+    once by ``build(cur, window, nightly)`` and stored in ``pin_nightly.run_signal``; a summary
+    run again gets the stored ones. The summary of a run older than one that already sent its
+    summary (a task cleared after newer nights) counts no window and is no nightly's."""
+    run_at = opts.get("run_instant") or lease.acquired_at  # options of an older release
+    key = {"job": job.code, "owner": lease.holder, "run_at": run_at}
+    with transaction(conn) as cur:
+        cur.execute(sql("common/signal_sent"), key)
+        row = cur.fetchone()
+        if row is not None:
+            return Signals(**row[0]), False
+        cur.execute(sql("common/signal_window"), {**key, "acquired_at": lease.acquired_at})
+        window = SignalWindow(**fetch_one_dict(cur), acquired_at=lease.acquired_at)
+        nightly = opts.get("nightly", False) and window.current
+        if not window.current:
+            log.warning("a newer run sent its summary: this one counts nothing new")
+            window = replace(window, through=window.since_any)
+        signals = build(cur, window, nightly)
+        cur.execute(
+            sql("common/signal_record"),
+            {
+                **key,
+                "run_id": run_id,
+                "nightly": nightly,
+                "work_done_at": window.work_done_at,
+                "drift_through": window.through,
+                "signals": json.dumps(asdict(signals)),
+            },
+        )
+    return signals, True
+
+
+def publish(asset: Any, extra: dict[str, Any] | None, outlet_events: Any) -> dict[str, Any]:
+    """Body of a DAG's publish task (``outlets=[asset]``): an asset event with ``extra``, or
+    the task skipped (no event) when the run has no fresh data to publish (``extra`` None)."""
+    if extra is None:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        raise AirflowSkipException(
+            f"no fresh data for {asset.name}: not a real run that completed its work"
+        )
+    outlet_events[asset].extra = extra
+    log.info("asset %s updated: %s", asset.name, extra)
+    return extra
 
 
 def task_failed(metric: str, context: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ fails a task.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -30,13 +29,21 @@ class Metric:
 METRICS: dict[str, Metric] = {
     # news_comment_reconcile
     f"{NEWS}_posts_reconciled_total": Metric("counter", "posts read and checked by a run"),
-    f"{NEWS}_drift_corrected_total": Metric("counter", "comments_count values corrected"),
+    f"{NEWS}_drift_corrected_total": Metric(
+        "counter", "comments_count values corrected, counted once from pin_nightly.news_drift"
+    ),
     f"{NEWS}_errors_total": Metric("counter", "failed or retried task attempts"),
     f"{NEWS}_run_duration_ms": Metric("timer", "time from the lease to the summary"),
     f"{NEWS}_backlog_remaining": Metric("gauge", "1 when a sweep is unfinished after the run"),
-    f"{NEWS}_posts_skipped_locked": Metric("gauge", "posts left locked by others in the run"),
-    f"{NEWS}_last_run_drift_corrected": Metric("gauge", "posts the last run corrected"),
-    f"{NEWS}_drift_alert_threshold": Metric("gauge", "the last run's drift_alert_threshold"),
+    f"{NEWS}_posts_skipped_locked": Metric(
+        "gauge", "posts left locked by others in the last nightly run"
+    ),
+    f"{NEWS}_last_run_drift_corrected": Metric(
+        "gauge", "posts corrected since the previous nightly summary, targeted repairs aside"
+    ),
+    f"{NEWS}_drift_alert_threshold": Metric(
+        "gauge", "the last nightly run's drift_alert_threshold"
+    ),
     f"{NEWS}_last_full_sweep_timestamp_seconds": Metric(
         "gauge", "when the newest completed FullSweep started"
     ),
@@ -44,7 +51,7 @@ METRICS: dict[str, Metric] = {
         "gauge", "when the newest completed DailyWindow started"
     ),
     f"{NEWS}_last_success_timestamp_seconds": Metric(
-        "gauge", "when a nightly run last did all its work"
+        "gauge", "when the work of the last run that left nothing behind completed"
     ),
     f"{NEWS}_drift_alerts_total": Metric("counter", "drift alerts sent"),
     # catalog_popularity_recompute
@@ -59,7 +66,7 @@ METRICS: dict[str, Metric] = {
         "gauge", "the newest as_of_date whose two passes completed"
     ),
     f"{CATALOG}_last_success_timestamp_seconds": Metric(
-        "gauge", "when a nightly run last did all its work"
+        "gauge", "when the work of the last run that left nothing behind completed"
     ),
     "catalog_popularity_score_staleness_hours": Metric(
         "gauge", "age of the newest completely scored as_of_date at the run's end"
@@ -67,6 +74,11 @@ METRICS: dict[str, Metric] = {
     # both
     "pin_nightly_deadline_missed_total": Metric(
         "counter", "missed deadlines (SLA)", frozenset({"dag_id", "alert"})
+    ),
+    "pin_nightly_pauses_total": Metric(
+        "counter",
+        "batches that waited for the database's health, by the signal over its limit",
+        frozenset({"dag_id", "signal"}),
     ),
 }
 
@@ -108,8 +120,3 @@ def gauge(name: str, value: float, tags: dict[str, str] | None = None) -> None:
 
 def timing(name: str, ms: float, tags: dict[str, str] | None = None) -> None:
     _emit("timer", name, ms, tags)
-
-
-def last_success(job_metric_prefix: str) -> None:
-    """Unix time of the job's last successful run, for alerting outside Airflow."""
-    gauge(f"{job_metric_prefix}_last_success_timestamp_seconds", time.time())

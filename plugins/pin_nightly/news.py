@@ -8,6 +8,7 @@ ones that are drifted and record each correction; advance the range cursor.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pendulum
-from airflow.sdk import Param
+from airflow.sdk import Asset, Param
 
 from pin_nightly import jobs, keyset, metrics
 from pin_nightly.db import (
@@ -54,13 +55,16 @@ JOB = JobDef(
         "news.posts": ["id", "status", "comments_count", "updated_at"],
         "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
     },
-    owned_ddl=[("pin_nightly.sweep_open_owner", "schema/pin_nightly")],
+    owned_ddl=[("pin_nightly.run_signal", "schema/pin_nightly")],
     recommended_indexes=[
         ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
         ("news.comments", "(updated_at)", "ix_comments_updated_at"),
     ],
     history=(*JobDef.history, ("drift_retention_days", "news/prune_drift")),
 )
+
+# Published when a run completed its sweep: other teams' DAGs schedule on it by this name.
+COUNTS_ASSET = Asset("news_comment_counts")
 
 _MAX_LOOKBACK_HOURS = 366 * 24  # larger overflows Python's datetimes
 
@@ -129,9 +133,12 @@ def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:
     return pendulum.instance(nxt, tz=tz) < day_start.add(days=1)
 
 
-def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str, Any]:
+def validate_options(
+    params: dict[str, Any], run_instant: datetime, nightly: bool = False
+) -> dict[str, Any]:
     """Check every option and the rules across them; resolve the scope for the run about
-    ``run_instant``. No database access."""
+    ``run_instant`` (``nightly``: a scheduled run, see :func:`jobs.is_nightly`). No database
+    access."""
     from croniter import croniter
 
     p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
@@ -162,6 +169,7 @@ def validate_options(params: dict[str, Any], run_instant: datetime) -> dict[str,
         "effective_scope": scope,
         "run_instant": pendulum.instance(instant).in_timezone(TZ).isoformat(),
         "run_tag": jobs.run_tag(),
+        "nightly": nightly,
     }
     log.info(
         "options: scope=%s (asked %s) batch_size=%s max_run_duration_minutes=%s "
@@ -246,6 +254,7 @@ class Reconcile(keyset.SweepJob):
     candidates (``candidate_mode``: a DailyWindow's, a targeted repair's)."""
 
     candidate_mode: bool
+    writes = ("news.posts",)  # the domain table its batches write (pacing watches its vacuum)
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
         """Collect a DailyWindow's or a targeted repair's candidates; split the posts."""
@@ -362,7 +371,7 @@ def summarize(
         "sweep_id": None,
         "sweeps": [],
     }
-    completed: dict[str, float] = {}
+    signals = None
     with connection(JOB.conn_id) as conn:
         if lease is None:
             result["status"] = LOCK_HELD
@@ -398,7 +407,9 @@ def summarize(
                 result["status"] = "backlog_remaining"
             _tidy(conn, lease.holder)
             result["history_pruned"] = jobs.prune_history(conn, JOB, opts)
-            completed = _last_completed(conn)
+            if not opts["dry_run"]:  # a dry run sends nothing
+                build = functools.partial(_signals, opts, result)
+                signals = jobs.summary_signals(conn, JOB, lease, opts, run_id, build)
         keyset.write_run_log(
             conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
         )
@@ -414,12 +425,89 @@ def summarize(
     )
     if lease is not None:
         release_lease(JOB, lease_data)
-        _emit(result, completed, opts["drift_alert_threshold"])
-        if result["drift_corrected"] > opts["drift_alert_threshold"]:
-            from pin_nightly import alerts
-
-            alerts.drift_alert(JOB.dag_id, run_id, result, opts["drift_alert_threshold"])
+        if signals is not None:
+            metrics.gauge(f"{METRIC}_backlog_remaining", int(result["backlog_remaining"]))
+            emit_state()
+            sent, first = signals
+            sent.send(first, functools.partial(_drift_alert, run_id))
     return result
+
+
+def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly: bool):
+    """What the run's first summary sends. The drift figures come from the corrections
+    recorded in ``pin_nightly.news_drift``, not from the run's counters: a correction made by a
+    run that died before its summary is counted by the next one. The gauges that the alert
+    rules compare describe the nightly work: only a nightly run sets them, with the drift
+    corrected since the previous nightly summary."""
+    cur.execute(
+        sql("news/drift_counted"),
+        {
+            "since_any": window.since_any,
+            "since_nightly": window.since_nightly,
+            "through": window.through,
+            "acquired_at": window.acquired_at,
+        },
+    )
+    counted = fetch_one_dict(cur)
+    threshold = opts["drift_alert_threshold"]
+    signals = jobs.Signals(
+        counters=[
+            [f"{METRIC}_posts_reconciled_total", result["posts_reconciled"], None],
+            [f"{METRIC}_drift_corrected_total", counted["corrected"], None],
+            # posts a batch could not write (pin_nightly.item_error); failed tasks count apart
+            [f"{METRIC}_errors_total", result["item_errors"], None],
+        ],
+        timings=[[f"{METRIC}_run_duration_ms", result["duration_ms"], None]],
+    )
+    if nightly:
+        drift, since = counted["nightly"], "since the previous nightly run's summary"
+        signals.gauges += [
+            [f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"], None],
+            [f"{METRIC}_last_run_drift_corrected", drift, None],
+            # the nightly's threshold, so that the rule compares with it, not a copied number
+            [f"{METRIC}_drift_alert_threshold", threshold, None],
+        ]
+    else:
+        drift, since = counted["own"], "in this run"
+    # success means the nightly work was done: not a targeted repair, nothing left behind
+    if result["status"] == "success" and result["scope"] != "Targeted":
+        done = window.work_done_at.timestamp()
+        signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
+    if window.current and drift > threshold:
+        signals.alert = {"drift_corrected": drift, "threshold": threshold, "counted": since}
+    return signals
+
+
+def _drift_alert(run_id: str, alert: dict[str, Any]) -> None:
+    from pin_nightly import alerts
+
+    alerts.drift_alert(JOB.dag_id, run_id, **alert)
+
+
+def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The extra of the asset event of a run that completed its sweep, or None: a dry run, a
+    targeted repair, a run that found the lease held or left work unfinished publish nothing."""
+    if result["status"] != "success" or result["dry_run"] or result["scope"] == "Targeted":
+        return None
+    return {
+        "scope": result["scope"],
+        "posts_reconciled": result["posts_reconciled"],
+        "drift_corrected": result["drift_corrected"],
+        "run_id": result["run_id"],
+    }
+
+
+def emit_state() -> None:
+    """The gauges of what the job has covered, from the database: when the newest FullSweep and
+    DailyWindow completed. Sent by the summary and again by the teardown, which runs when the
+    summary failed."""
+    with connection(JOB.conn_id) as conn:
+        keyset.close_finished(conn, JOB.code)
+        completed = _last_completed(conn)
+    if "FullSweep" in completed:
+        metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
+    if "DailyWindow" in completed:
+        metrics.gauge(f"{METRIC}_last_daily_window_timestamp_seconds", completed["DailyWindow"])
 
 
 def _tidy(conn, owner: str) -> None:
@@ -438,28 +526,6 @@ def _last_completed(conn) -> dict[str, float]:
     with transaction(conn) as cur:
         cur.execute(sql("common/sweeps_last_completed"), {"job": JOB.code})
         return dict(cur.fetchall())
-
-
-def _emit(result: dict[str, Any], completed: dict[str, float], threshold: int) -> None:
-    if result["dry_run"]:
-        return
-    metrics.incr(f"{METRIC}_posts_reconciled_total", result["posts_reconciled"])
-    metrics.incr(f"{METRIC}_drift_corrected_total", result["drift_corrected"])
-    # posts a batch could not write (pin_nightly.item_error); failed tasks count on their own
-    metrics.incr(f"{METRIC}_errors_total", result["item_errors"])
-    metrics.timing(f"{METRIC}_run_duration_ms", result["duration_ms"])
-    metrics.gauge(f"{METRIC}_backlog_remaining", 1 if result["backlog_remaining"] else 0)
-    metrics.gauge(f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"])
-    metrics.gauge(f"{METRIC}_last_run_drift_corrected", result["drift_corrected"])
-    # the run's threshold, so that the alert rule compares with it instead of a copied number
-    metrics.gauge(f"{METRIC}_drift_alert_threshold", threshold)
-    if "FullSweep" in completed:
-        metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
-    if "DailyWindow" in completed:
-        metrics.gauge(f"{METRIC}_last_daily_window_timestamp_seconds", completed["DailyWindow"])
-    # success means the nightly work was done: not a targeted repair, nothing left behind
-    if result["status"] == "success" and result["scope"] != "Targeted":
-        metrics.last_success(METRIC)
 
 
 def task_failed(context: dict[str, Any]) -> None:

@@ -93,7 +93,7 @@ RETURNING range_no
 -- name: run_totals
 -- What this acquisition did, from the counters of the ranges it owned (named as the fields of
 -- pin_nightly.keyset.Counters).
-SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
+SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status, s.started_at,
        count(*)                                   AS ranges,
        count(*) FILTER (WHERE r.status = 'done')  AS ranges_done,
        coalesce(sum(r.rows_processed), 0)::bigint AS processed,
@@ -105,7 +105,7 @@ SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status,
        max(r.cursor_id::text)                     AS last_id
   FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
  WHERE s.job = %(job)s AND r.owner = %(owner)s
- GROUP BY r.sweep_id, s.scope, s.family, s.status
+ GROUP BY r.sweep_id, s.scope, s.family, s.status, s.started_at
  ORDER BY r.sweep_id
 
 -- name: run_log_upsert

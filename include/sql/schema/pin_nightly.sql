@@ -133,3 +133,25 @@ CREATE TABLE IF NOT EXISTS pin_nightly.news_skipped_post (
     post_id    uuid        PRIMARY KEY,
     skipped_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- The signals each acquisition sent (metrics, alerts), written by its first summary: a summary
+-- run again (its task cleared) sends no counter or alert twice and re-sends the same gauges.
+-- run_at is the instant the run is about (its logical date, or when it was triggered);
+-- work_done_at is when the acquisition's work completed (the last-success time); drift_through
+-- is the instant up to which its summary counted the corrections in news_drift (the next summary
+-- counts from there, so a correction is counted once, even when its run died before its summary).
+CREATE TABLE IF NOT EXISTS pin_nightly.run_signal (
+    job           text        NOT NULL,
+    owner         text        NOT NULL,
+    run_id        text        NOT NULL,
+    run_at        timestamptz NOT NULL,
+    nightly       boolean     NOT NULL,
+    work_done_at  timestamptz NOT NULL,
+    drift_through timestamptz NOT NULL,
+    signals       jsonb       NOT NULL,
+    emitted_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (job, owner)
+);
+CREATE INDEX IF NOT EXISTS run_signal_through ON pin_nightly.run_signal (job, drift_through);
+-- the summaries count the corrections recorded since the previous one
+CREATE INDEX IF NOT EXISTS news_drift_recorded ON pin_nightly.news_drift (recorded_at);

@@ -59,7 +59,7 @@ BEGIN
            OR (job = 'pin_catalog_job' AND to_regnamespace('catalog') IS NULL) THEN
             CONTINUE;
         END IF;
-        IF to_regclass('pin_nightly.sweep_open_owner') IS NULL THEN
+        IF to_regclass('pin_nightly.run_signal') IS NULL THEN
             RAISE EXCEPTION 'schema pin_nightly is missing or out of date: apply include/sql/schema/pin_nightly.sql first';
         END IF;
         EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), job);
@@ -69,10 +69,11 @@ BEGIN
         EXECUTE format('GRANT USAGE ON SCHEMA pin_nightly TO %I', job);
         -- lease: acquire (upsert), fence (SELECT ... FOR SHARE), renew, release (DELETE)
         EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.job_lease TO %I', job);
-        -- sweeps, range cursors, run log: created, advanced, closed; deleted past their
-        -- retention by the runs themselves
+        -- sweeps, range cursors, run log, signals sent: created, advanced, closed; deleted
+        -- past their retention by the runs themselves
         EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.sweep, '
-                       'pin_nightly.sweep_range, pin_nightly.run_log TO %I', job);
+                       'pin_nightly.sweep_range, pin_nightly.run_log, '
+                       'pin_nightly.run_signal TO %I', job);
         -- rows a batch could not write: recorded, pruned past their retention
         EXECUTE format('GRANT SELECT, INSERT, DELETE ON pin_nightly.item_error TO %I', job);
         -- fencing tokens and sweep ids
@@ -112,3 +113,17 @@ BEGIN
     END IF;
 END
 $grants$;
+
+-- Pacing on the database's health (README): the jobs read replica lag (pg_stat_replication)
+-- and VACUUM progress (pg_stat_progress_vacuum) of sessions that are not theirs, which only
+-- members of pg_read_all_stats see (it reveals statistics and the queries of other sessions,
+-- never data). Granting a predefined role needs a superuser (or ADMIN OPTION on it): a DBA
+-- without it gets a warning and the jobs pace on the other signals only.
+DO $pacing$
+BEGIN
+    GRANT pg_read_all_stats TO pin_news_job, pin_catalog_job;
+EXCEPTION WHEN insufficient_privilege THEN
+    RAISE WARNING 'pin_news_job and pin_catalog_job are not members of pg_read_all_stats: '
+                  'pacing cannot see replica lag or VACUUM progress (a superuser grants it)';
+END
+$pacing$;
