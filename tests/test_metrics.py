@@ -155,3 +155,60 @@ def test_with_tracing_off_a_span_costs_no_attribute_work():
         tracing.set_result(span, lambda: calls.append("end") or {})
         assert not span.is_recording()
     assert calls == []
+
+
+def test_a_run_is_one_job_run_span_over_its_range_and_batch_spans(monkeypatch):
+    """With a tracer provider like Airflow's (its id generator takes the ids it is given): the
+    setup task draws the job_run span's id, the range span opens under it, the teardown sends
+    it from the acquisition with the spec's attributes, under the setup task's span."""
+    from datetime import UTC, datetime
+
+    from airflow._shared.observability.traces import OverrideableRandomIdGenerator
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pin_nightly import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=OverrideableRandomIdGenerator())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("pin_nightly"))
+    tracer = provider.get_tracer("airflow")
+    started = datetime.now(UTC)
+    with tracer.start_as_current_span("worker.acquire_lease") as setup:
+        run = tracing.new_run({"jobRunId": "r1", "scope": "FullSweep", "batchSize": 5})
+    assert run["parent_id"] == f"{setup.get_span_context().span_id:016x}"
+    # a task in another trace (cleared into a new one) keeps its own span as the parent
+    with (
+        tracer.start_as_current_span("worker.elsewhere") as elsewhere,
+        tracing.in_run(run),
+        tracing.span("range", lambda: {}) as stray,
+    ):
+        assert stray.parent.span_id == elsewhere.get_span_context().span_id
+    exporter.clear()
+    parent = trace.set_span_in_context(
+        trace.NonRecordingSpan(
+            trace.SpanContext(
+                int(run["trace_id"], 16), 1, is_remote=True, trace_flags=trace.TraceFlags(1)
+            )
+        )
+    )
+    with (
+        tracer.start_as_current_span("worker.reconcile_range[0]", context=parent),
+        tracing.in_run(run),
+        tracing.span("range", lambda: {"pin.range": "FullSweep#0"}),
+        tracing.span("batch", lambda: {"card_kind": "Project", "batch_size": 5}),
+    ):
+        pass
+    tracing.end_run(run, started)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    job_run, rng, batch = spans["job_run"], spans["range"], spans["batch"]
+    assert f"{job_run.context.span_id:016x}" == run["span_id"]
+    assert f"{job_run.parent.span_id:016x}" == run["parent_id"]
+    assert rng.parent.span_id == job_run.context.span_id
+    assert batch.parent.span_id == rng.context.span_id
+    assert job_run.start_time == int(started.timestamp() * 1e9) < job_run.end_time
+    assert dict(job_run.attributes) == {"jobRunId": "r1", "scope": "FullSweep", "batchSize": 5}
+    assert dict(batch.attributes) == {"card_kind": "Project", "batch_size": 5}

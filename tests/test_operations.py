@@ -241,8 +241,9 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
 
 
 def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) -> None:
-    """The run's trace: Airflow's dag_run span, its task spans, and under each range task's
-    span the job's range span with its batch spans; the failure is recorded on its spans."""
+    """The run's trace: Airflow's dag_run span, its task spans, the job's job_run span under the
+    setup task's, and under it each range span with its batch spans; the failure is recorded on
+    its spans."""
 
     def of_run():
         ranges = [
@@ -256,20 +257,30 @@ def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) 
             if s["name"] == f"dag_run.{NEWS}"
             and s["attributes"].get("airflow.dag_run.run_id") == run_id
         ]
-        return (ranges, runs) if len(ranges) == 4 and len(runs) == 2 else None
+        jobs = [
+            s
+            for s in stack.otlp.spans
+            if s["name"] == "job_run" and s["attributes"].get("jobRunId") == run_id
+        ]
+        return (ranges, runs, jobs) if (len(ranges), len(runs), len(jobs)) == (4, 2, 2) else None
 
-    ranges, runs = helpers.wait_for(of_run, timeout=60, what="the run's spans")
+    ranges, runs, jobs = helpers.wait_for(of_run, timeout=60, what="the run's spans")
     spans = stack.otlp.spans
     by_id = {s["span_id"]: s for s in spans}
     # the failed run (status error) and its re-run after the clear are one trace each
     first, rerun = sorted(runs, key=lambda s: s["status"] != 2)
     assert (first["status"], rerun["status"]) == (2, 1)
     assert first["trace_id"] != rerun["trace_id"]
+    # a job_run span per trace (the spec's run span), under the setup task's span
+    for job in jobs:
+        a = job["attributes"]
+        assert (a["correlationId"], a["scope"], a["batchSize"]) == (run_id, "FullSweep", 5)
+        assert by_id[job["parent"]]["name"] == "worker.acquire_lease"
+    assert {j["trace_id"] for j in jobs} == {first["trace_id"], rerun["trace_id"]}
     for rng in ranges:
         parent = by_id[rng["parent"]]
         no = rng["attributes"]["pin.range_no"]
-        assert parent["name"] == f"worker.reconcile_range[{no}]"
-        assert parent["attributes"]["airflow.dag_run.run_id"] == run_id
+        assert parent["name"] == "job_run" and parent["trace_id"] == rng["trace_id"]
         a = rng["attributes"]
         assert (a["pin.job"], a["pin.sweep_id"], a["pin.scope"], a["pin.batch_size"]) == (
             NEWS,
@@ -293,7 +304,12 @@ def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) 
     while span["parent"] in by_id:
         span = by_id[span["parent"]]
         chain.append(span["name"])
-    assert chain == ["worker.reconcile_range[2]", "task_run.reconcile_range[2]", f"dag_run.{NEWS}"]
+    assert chain == [
+        "job_run",
+        "worker.acquire_lease",
+        "task_run.acquire_lease",
+        f"dag_run.{NEWS}",
+    ]
     assert {r["trace_id"] for r in ranges if r is not resumed[0]} == {first["trace_id"]}
     assert batches(failed[0])[0]["attributes"]["pin.batch.after_id"] == ids[39]
     # the cleared range starts after its last committed batch
@@ -303,6 +319,8 @@ def _assert_traces(stack, run_id: str, sweep: int, ids: list[str], poison: str) 
     ]
     assert sum(b["pin.batch.rows"] for b in done) == 60  # each post read once
     assert sum(b["pin.batch.updated_count"] for b in done) == 60
+    assert all(b["updated_count"] == b["pin.batch.updated_count"] for b in done)
+    assert all(b["batch_size"] == 5 for b in done)
     assert all(b["pin.batch.cursor"] for b in done if b["pin.batch.rows"])
 
 

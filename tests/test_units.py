@@ -3,7 +3,7 @@ run. The behaviour on PostgreSQL and through Airflow is tested by the other modu
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -119,12 +119,48 @@ def test_emitters_refuse_undeclared_metrics(emit):
 
 @pytest.mark.parametrize("name", rundag.AIRFLOW_INTERNALS)
 def test_the_airflow_internals_the_harness_uses_are_there(name):
-    """tools/rundag.py drives dag.test(), clears and the metadata database through these;
-    after an Airflow upgrade this names the one that moved."""
+    """tools/rundag.py drives dag.test(), clears and the metadata database through these, and
+    the job package uses a few; after an Airflow upgrade this names the one that moved."""
     import importlib
 
     module, _, path = name.partition(":")
     obj = importlib.import_module(module)
     for attr in path.split("."):
-        assert hasattr(obj, attr), f"{name}: Airflow no longer has {attr!r} (tools/rundag.py)"
+        assert hasattr(obj, attr), f"{name}: Airflow no longer has {attr!r} (AIRFLOW_INTERNALS)"
         obj = getattr(obj, attr)
+
+
+def test_run_over_budget_waits_for_a_runs_own_budget(monkeypatch):
+    """The deadline fires at the DAG's default budget; a run given a larger lock_ttl_minutes is
+    over budget only past its own: reported if still running then, not if it ended before."""
+    import asyncio
+
+    from pin_nightly import deadlines
+
+    states: list[str] = []
+
+    async def run_state(dag_id, run_id):
+        return states.pop(0)
+
+    monkeypatch.setattr(deadlines, "_run_state", run_state)
+
+    def context(ttl, queued_ago: float) -> dict:
+        queued = datetime.now(UTC) - timedelta(seconds=queued_ago)
+        run = {"dag_id": "d", "dag_run_id": "r", "queued_at": queued.isoformat(), "conf": {}}
+        if ttl is not None:
+            run["conf"]["lock_ttl_minutes"] = ttl
+        return {"dag_run": run}
+
+    check = deadlines.within_own_budget
+    # the default budget, or a smaller one: reported as it fires, nothing asked
+    assert asyncio.run(check(context(None, 60), 30)) == (False, 30)
+    assert asyncio.run(check(context(0.1, 60), 30)) == (False, 30)
+    # a run that ends within its own 3 minutes: no alert
+    states[:] = ["running", "success"]
+    assert asyncio.run(check(context(3, 1), 2, poll=0.01)) == (True, 180)
+    # a run still running past its own 3 s: reported with its own budget and state
+    states[:] = ["running"] * 1000
+    ctx = context(0.05, 1)
+    assert asyncio.run(check(ctx, 2, poll=0.2)) == (False, 3.0)
+    assert ctx["dag_run"]["state"] == "running"
+    assert deadlines.own_budget_seconds({"dag_run": {"conf": {"lock_ttl_minutes": True}}}) is None

@@ -17,8 +17,12 @@ from typing import Any
 
 from tools.devenv import REPO
 
-# Airflow internals (not its public API) used here, as "module:attribute"
+# Airflow internals (not its public API) used here and by the job package (the job_run span's
+# id, the run_over_budget callback's look at its run), as "module:attribute"
 AIRFLOW_INTERNALS = (
+    "airflow._shared.observability.traces:OverrideableRandomIdGenerator",
+    "airflow._shared.observability.traces:override_ids",
+    "airflow.sdk.execution_time.task_runner:RuntimeTaskInstance.get_dagrun_state",
     "airflow.dag_processing.dagbag:DagBag",
     "airflow.models.dagrun:DagRun.generate_run_id",
     "airflow.models.dagrun:DagRun.update_state",

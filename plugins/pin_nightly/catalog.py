@@ -295,6 +295,10 @@ class Recompute(keyset.SweepJob):
         return (KINDS[self.kind].table, "catalog.popularity_daily_views")
 
     @property
+    def span_attributes(self) -> dict[str, Any]:
+        return {"card_kind": self.kind}  # the spec's name, on each batch span
+
+    @property
     def source(self) -> dict[str, Any]:
         """The parameters of the kind's keyset source (``catalog/source``)."""
         return {"targeted": bool(self.opts["card_ids"]), "card_ids": self.opts["card_ids"]}

@@ -268,7 +268,25 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, A
         got.token,
         got.run_deadline_at,
     )
-    return {**got.to_xcom(), "acquired": True, "warnings": warnings}
+    trace = tracing.new_run(run_attributes(job, opts, run_id, holder))
+    return {**got.to_xcom(), "acquired": True, "warnings": warnings, "trace": trace}
+
+
+def run_attributes(job: JobDef, opts: dict[str, Any], run_id: str, holder: str) -> dict[str, Any]:
+    """The attributes of a run's ``job_run`` span (the spec's names, then ``pin.*``)."""
+    scope = opts.get("effective_scope") or ("Targeted" if opts.get("card_ids") else "AllCards")
+    attributes = {
+        "jobRunId": run_id,
+        "correlationId": run_id,
+        "scope": scope,
+        "batchSize": opts["batch_size"],
+        "pin.job": job.dag_id,
+        "pin.holder": holder,
+        "pin.dry_run": opts["dry_run"],
+    }
+    if "as_of_date" in opts:
+        attributes["pin.as_of_date"] = opts["as_of_date"]
+    return attributes
 
 
 def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
@@ -291,6 +309,7 @@ def release_lease(
         return False
     with connection(job.conn_id) as conn:
         released = leases.release(conn, lease)
+    tracing.end_run(lease_data.get("trace"), datetime.fromisoformat(lease.acquired_at))
     if emit_state is not None:
         emit_state()
     return released
@@ -512,7 +531,10 @@ def run_range_task(
     stop gracefully. A range that is no longer this run's (a later run adopted it, or its sweep
     was abandoned for a newer date: the task was cleared late) writes nothing and ends green,
     saying which run took over."""
-    with tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span:
+    with (
+        tracing.in_run((lease_data or {}).get("trace")),
+        tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span,
+    ):
         taken = lease_from_xcom(lease_data)
         if taken is None:
             raise leases.LeaseLost("this run holds no lease; nothing may be written")

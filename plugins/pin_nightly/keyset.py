@@ -160,6 +160,11 @@ class SweepJob:
         """The tables a batch writes (pacing pauses while a VACUUM runs on one of them)."""
         return ()
 
+    @property
+    def span_attributes(self) -> dict[str, Any]:
+        """Attributes of each batch span beyond the batch's own (e.g. the card kind)."""
+        return {}
+
 
 def open_sweep(
     conn,
@@ -592,7 +597,7 @@ class _Range:
         the run's deadline, nothing done), and whether the lease is due for renewal. ``paused``:
         the pause before it, for its span."""
         with (
-            tracing.span("batch", _batch_start, cursor, limit, paused) as span,
+            tracing.span("batch", _batch_start, cursor, limit, paused, self.job) as span,
             transaction(self.conn) as cur,
         ):
             cur.execute(sql("common/async_commit"))
@@ -691,10 +696,19 @@ def _work_batches(
 
 
 def _batch_start(
-    after_id: str | None, batch_size: int, paused: healths.Pause | None = None
+    after_id: str | None,
+    batch_size: int,
+    paused: healths.Pause | None = None,
+    job: SweepJob | None = None,
 ) -> dict[str, Any]:
     pause = paused.attributes() if paused is not None else {}
-    return {"pin.batch.after_id": after_id, "pin.batch_size": batch_size, **pause}
+    return {
+        "pin.batch.after_id": after_id,
+        "pin.batch_size": batch_size,
+        "batch_size": batch_size,  # the spec's name
+        **pause,
+        **(job.span_attributes if job is not None else {}),
+    }
 
 
 def _retry_start(row_id: str) -> dict[str, Any]:
@@ -705,7 +719,8 @@ def _batch_attributes(b: Batch | None) -> dict[str, Any]:
     if b is None:
         return {"pin.batch.stopped_at_deadline": True}
     attributes = b.checkpoint().attributes("pin.batch", omit=("batches", "retried"))
-    return {**attributes, "pin.batch.cursor": b.last_id}
+    # the spec's name of the rows updated
+    return {**attributes, "pin.batch.cursor": b.last_id, "updated_count": b.counters.changed}
 
 
 def _retry_skipped(work: _Range, skipped: list[str], timeout_ms: int) -> Counters:

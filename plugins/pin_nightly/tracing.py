@@ -1,26 +1,37 @@
-"""OpenTelemetry spans of the range tasks: one span per range, a child span per batch.
+"""OpenTelemetry spans of a run: a ``job_run`` span per run, a ``range`` span per range task
+under it, a ``batch`` span per batch transaction under each range.
 
 The spans go to the tracer provider that Airflow sets up when tracing is on (``[traces]
-otel_on``, exporter and endpoint from the standard ``OTEL_*`` environment). They nest under
-Airflow's own span of the task (``worker.<task_id>[<map_index>]``), itself a child of the run's
-``dag_run`` span, so one trace shows a night from the run down to each batch. With tracing off
-the tracer is OpenTelemetry's no-op one: no attribute is computed and nothing is sent.
+otel_on``, exporter and endpoint from the standard ``OTEL_*`` environment), in the trace of the
+Airflow run. The setup task (``acquire_lease``) draws the ``job_run`` span's id and passes it on
+with the lease; the range tasks open their spans under it; the teardown (``release_lease``)
+sends the ``job_run`` span itself, from the lease's acquisition to the release, under the setup
+task's span (``worker.acquire_lease``). Its id is set through the id generator of Airflow's
+tracer provider (``override_ids``); under another provider the range spans keep Airflow's task
+span as parent. With tracing off the tracer is OpenTelemetry's no-op one: no attribute is
+computed and nothing is sent.
 
-Attributes (``pin.*``): on the range span the job, the run id (the spec's ``jobRunId`` /
-``correlationId``), the sweep, its scope, the range and the card kind; on each batch span the
-rows read, the rows updated (the spec's ``updated_count``), rows written, rows skipped because
-locked, item errors and the cursor after the batch. An exception leaving a span is recorded on
-it and sets its status to error.
+Attributes: on ``job_run`` the spec's ``jobRunId`` / ``correlationId`` (the Airflow run id),
+``scope`` and ``batchSize``, and ``pin.*``; on the range span the job, run id, sweep, scope,
+range and card kind; on each batch span the spec's ``card_kind``, ``batch_size`` and
+``updated_count``, and ``pin.batch.*``: rows read, rows updated, rows written, rows skipped
+because locked, item errors, the cursor after the batch and any pause before it. An exception
+leaving a span is recorded on it and sets its status to error.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from datetime import datetime
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import context, trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("pin_nightly")
 
 
@@ -36,3 +47,68 @@ def set_result(s: trace.Span, attributes: Callable[..., dict[str, Any]], *args: 
     """Set ``attributes(*args)`` on the span when it records (known at the end of its work)."""
     if s.is_recording():
         s.set_attributes({k: v for k, v in attributes(*args).items() if v is not None})
+
+
+def new_run(attributes: dict[str, Any]) -> dict[str, Any] | None:
+    """In the setup task: where the run's ``job_run`` span goes (this trace, under the current
+    span, a new span id) and its attributes; None when nothing records."""
+    current = trace.get_current_span()
+    ctx = current.get_span_context()
+    if not current.is_recording() or not ctx.is_valid:
+        return None
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "parent_id": f"{ctx.span_id:016x}",
+        "span_id": f"{random.getrandbits(64) or 1:016x}",
+        "flags": int(ctx.trace_flags),
+        "attributes": attributes,
+    }
+
+
+def _context(trace_id: str, span_id: str, flags: int) -> context.Context:
+    parent = SpanContext(
+        int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(flags)
+    )
+    return trace.set_span_in_context(NonRecordingSpan(parent))
+
+
+def in_run(run: dict[str, Any] | None):
+    """A block whose new spans are children of the run's ``job_run`` span (nothing changes when
+    the run has none, or it belongs to another trace: a task cleared into a new one)."""
+    current = trace.get_current_span().get_span_context()
+    if not run or not current.is_valid or f"{current.trace_id:032x}" != run["trace_id"]:
+        return nullcontext()
+    return _attached(_context(run["trace_id"], run["span_id"], run["flags"]))
+
+
+@contextmanager
+def _attached(ctx: context.Context) -> Iterator[None]:
+    token = context.attach(ctx)
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def _override_ids():
+    try:  # the id generator of the tracer provider Airflow configures
+        from airflow._shared.observability.traces import override_ids
+    except ImportError:  # a worker with the Task SDK only
+        from airflow.sdk._shared.observability.traces import override_ids
+    return override_ids
+
+
+def end_run(run: dict[str, Any] | None, started: datetime) -> None:
+    """In the teardown: send the run's ``job_run`` span, from ``started`` to now."""
+    if not run:
+        return
+    with _override_ids()(int(run["trace_id"], 16), int(run["span_id"], 16)):
+        s = _tracer.start_span(
+            "job_run",
+            context=_context(run["trace_id"], run["parent_id"], run["flags"]),
+            start_time=int(started.timestamp() * 1e9),
+            attributes=run["attributes"],
+        )
+    if f"{s.get_span_context().span_id:016x}" != run["span_id"]:
+        log.warning("the tracer provider chose its own span id: range spans are not under job_run")
+    s.end()
