@@ -99,6 +99,7 @@ JOB_STATE = {
     "pin_nightly.sweep_range": "DELETE,INSERT,SELECT,UPDATE",
     "pin_nightly.run_log": "DELETE,INSERT,SELECT,UPDATE",
     "pin_nightly.item_error": "DELETE,INSERT,SELECT",
+    "pin_nightly.run_signal": "DELETE,INSERT,SELECT",
     "pin_nightly.lease_token_seq": "USAGE",
     "pin_nightly.sweep_sweep_id_seq": "USAGE",
 }
@@ -142,7 +143,7 @@ def test_news_role_holds_exactly_the_minimal_grants(news_job):
     assert db.q("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'pin_news_job'") == [(False,)]
     # roles.sql is idempotent: applied again, the same grants
     run_sql_file(db.dsn, "schema/roles.sql")
-    assert len(_grants(db.dsn, "pin_news_job")) == 16
+    assert len(_grants(db.dsn, "pin_news_job")) == 17
 
 
 def test_news_dag_runs_as_the_job_role_and_the_role_cannot_do_more(news_job):

@@ -69,11 +69,12 @@ BEGIN
         EXECUTE format('GRANT USAGE ON SCHEMA pin_nightly TO %I', job);
         -- lease: acquire (upsert), fence (SELECT ... FOR SHARE), renew, release (DELETE)
         EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.job_lease TO %I', job);
-        -- sweeps, range cursors, run log, signals sent: created, advanced, closed; deleted
-        -- past their retention by the runs themselves
+        -- sweeps, range cursors, run log: created, advanced, closed; deleted past their
+        -- retention by the runs themselves
         EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.sweep, '
-                       'pin_nightly.sweep_range, pin_nightly.run_log, '
-                       'pin_nightly.run_signal TO %I', job);
+                       'pin_nightly.sweep_range, pin_nightly.run_log TO %I', job);
+        -- what each run's summary sent: recorded once, pruned past its retention
+        EXECUTE format('GRANT SELECT, INSERT, DELETE ON pin_nightly.run_signal TO %I', job);
         -- rows a batch could not write: recorded, pruned past their retention
         EXECUTE format('GRANT SELECT, INSERT, DELETE ON pin_nightly.item_error TO %I', job);
         -- fencing tokens and sweep ids
