@@ -105,9 +105,9 @@ def targets(all_res: list[dict]) -> list[str]:
                     f"{x:.2f}x ({f(run['p99'], 1)} vs {f(ref, 1)} ms) {met(x <= 1.25)}"
                 )
             held = pct([ms for r in hp["runs"][item] for ms in r.get("lock_ms", [])], 99)
+            wait = run.get("job_lock_max", run["lock_max"])
             cells["wait"].append(
-                f"{f(run['lock_max'], 1)} ms (locks held p99 {f(held, 1)} ms) "
-                f"{met(run['lock_max'] < LOCK_WAIT_LIMIT_MS)}"
+                f"{f(wait, 1)} ms (locks held p99 {f(held, 1)} ms) {met(wait < LOCK_WAIT_LIMIT_MS)}"
             )
         row(f"{kind} hot-path p99 during a {job}", "<= 1.25x idle p99", cells["idle"])
         row(
@@ -116,7 +116,7 @@ def targets(all_res: list[dict]) -> list[str]:
             cells["busy_core"],
         )
         row(
-            f"longest {kind} row-lock wait during a {job}",
+            f"longest {kind} row-lock wait on the job during a {job}",
             f"< {LOCK_WAIT_LIMIT_MS} ms",
             cells["wait"],
         )
@@ -192,12 +192,15 @@ def hotpath(res: dict) -> list[str]:
     out = [
         f"At {hp['rate']:g} tx/s of each kind (bench/README.md), latency from each transaction's "
         "scheduled start; *lock wait*: its longest row-lock wait from the server log (0: none "
-        "longer than 5 ms); *row locks held*: per job transaction that held row locks, from "
-        "the start of its first locking statement to the return of its COMMIT.",
+        "longer than 5 ms), on a lock the job held / on any lock (the hot path's transactions "
+        "also wait for each other on their hot rows); *row locks held*: per job transaction "
+        "that held row locks, from the start of its first locking statement to the return of "
+        "its COMMIT.",
         "",
         "| phase | job s (median) | job batch tx p99 ms | job row locks held p99 / max ms "
         "| news tx | news p50 / p99 / max ms "
-        "| news lock wait ms | catalog tx | catalog p50 / p99 / max ms | catalog lock wait ms "
+        "| news lock wait ms, on the job / any | catalog tx | catalog p50 / p99 / max ms "
+        "| catalog lock wait ms, on the job / any "
         "| failures |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -211,11 +214,18 @@ def hotpath(res: dict) -> list[str]:
         out.append(
             f"| {phase} | {f(med(runs)) if runs else '-'} | "
             f"{f(pct(bm, 99), 1)} | {held} | {n['n']} | {f(n['p50'], 1)} / {f(n['p99'], 1)} / "
-            f"{f(n['max'], 1)} | {f(n['lock_max'], 1)} | {c['n']} | {f(c['p50'], 1)} / "
-            f"{f(c['p99'], 1)} / {f(c['max'], 1)} | {f(c['lock_max'], 1)} | "
+            f"{f(n['max'], 1)} | {waits(n)} | {c['n']} | {f(c['p50'], 1)} / "
+            f"{f(c['p99'], 1)} / {f(c['max'], 1)} | {waits(c)} | "
             f"{n['failures'] + c['failures']} |"
         )
     return out
+
+
+def waits(lat: dict) -> str:
+    """The longest row-lock wait on the job's locks / on any lock (older results: any)."""
+    if "job_lock_max" not in lat:
+        return f(lat["lock_max"], 1)
+    return f"{f(lat['job_lock_max'], 1)} / {f(lat['lock_max'], 1)}"
 
 
 def statements(res: dict, job: str, key: str) -> list[str]:

@@ -336,11 +336,15 @@ class HotPath:
     """The hot-path load of ``tools/pgbench.py`` at ``rate`` transactions per second of each
     kind, one pgbench per database: the news comment writes with the counter update and the
     catalog view increments, half of them on the 200 newest rows, the others on a sample of
-    the live ones. ``lock_waits``: per kind, the row-lock waits longer than 5 ms (ms) of its
+    the live ones. ``lock_waits``: per kind, the row-lock waits longer than 5 ms of its
     connections, from the server's log (read through SQL: the embedded server writes it to
-    ``log`` in its data directory)."""
+    ``log`` in its data directory), each as ``(ms, by_job)``: ``by_job`` when a process that
+    held the lock was not one of the hot path's (the job's backend), from the ``Process holding
+    the lock`` detail of the wait's "still waiting" line; the hot path's transactions also wait
+    for each other on their hot rows."""
 
     WAIT = re.compile(r"\[\d+\] LOG:  process (\d+) acquired \S+ on .+ after ([\d.]+) ms")
+    HOLDER = re.compile(r"\[(\d+)\] DETAIL:  Process holding the lock: ([\d, ]+)\.")
     PICK = {  # kind: (script, card table or posts, live rows)
         "news": (pgbench.NEWS, "news.posts", "status IS DISTINCT FROM 'Archived'"),
         "catalog": (
@@ -386,9 +390,18 @@ class HotPath:
             "SELECT pg_read_binary_file(%s, %s, %s)",
             (self.log, self.log_start, self._log_size() - self.log_start),
         ).fetchone()[0]
-        waits = [(int(p), float(ms)) for p, ms in self.WAIT.findall(text.decode(errors="replace"))]
+        ours = {p for load in self.load.values() for p in load.pids}
+        holders: dict[int, set[int]] = {}  # waiting pid: who held the lock it waits for
+        waits = []  # (pid, ms, by_job)
+        for line in text.decode(errors="replace").splitlines():
+            if m := self.HOLDER.search(line):
+                holders[int(m[1])] = {int(h) for h in m[2].split(",")}
+            elif m := self.WAIT.search(line):
+                pid = int(m[1])
+                waits.append((pid, float(m[2]), bool(holders.pop(pid, set()) - ours)))
         self.lock_waits = {
-            kind: [ms for p, ms in waits if p in load.pids] for kind, load in self.load.items()
+            kind: [(ms, by_job) for p, ms, by_job in waits if p in load.pids]
+            for kind, load in self.load.items()
         }
         self.conn.close()
 
@@ -396,7 +409,7 @@ class HotPath:
 def latency(records: list, lock_waits: list, aborted: int = 0) -> dict:
     """Count, failures (and clients aborted), latency p50 / p99 / max (ms, from the scheduled
     start) of the transactions, and the longest row-lock wait the server logged (ms; 0 if none
-    > 5 ms)."""
+    > 5 ms): of any (``lock_max``) and on a lock the job held (``job_lock_max``)."""
     from bench.common import pct
 
     ok = [ms for _, ms in records if ms is not None]
@@ -406,5 +419,6 @@ def latency(records: list, lock_waits: list, aborted: int = 0) -> dict:
         "p50": pct(ok, 50),
         "p99": pct(ok, 99),
         "max": max(ok, default=None),
-        "lock_max": max(lock_waits, default=0.0),
+        "lock_max": max((ms for ms, _ in lock_waits), default=0.0),
+        "job_lock_max": max((ms for ms, by_job in lock_waits if by_job), default=0.0),
     }

@@ -44,8 +44,9 @@ class Profile:
     """Per statement: [calls, seconds]; per batch transaction: milliseconds; per transaction
     that held row locks: milliseconds from its first locking statement to its COMMIT."""
 
-    def __init__(self, labels: dict[str, str]) -> None:
+    def __init__(self, labels: dict[str, str], placeholders: dict[str, str]) -> None:
         self.labels = labels
+        self.placeholders = placeholders  # text put in by the job code: its placeholder
         self.reset()
 
     def reset(self) -> None:
@@ -60,6 +61,8 @@ class Profile:
         q = str(query)
         for table in ("catalog.property_object_cards", "catalog.project_cards"):
             q = q.replace(table, "{cards}")
+        for text, placeholder in self.placeholders.items():
+            q = q.replace(text, placeholder)
         return self.labels.get(str(query)) or self.labels.get(q) or "other: " + q.split()[0]
 
     def add(self, label: str, t0: float, t1: float) -> None:
@@ -136,7 +139,7 @@ def main() -> None:
     raw = psycopg.connect(sys.argv[1])
     register_default_adapters(raw)
     raw.autocommit = False
-    prof = Profile(labels)
+    prof = Profile(labels, {original("common/uuid7_now"): "{uuid7_now}"})
     conn = Proxy(raw, prof)
     send({"rss_kb": status_kb("VmRSS")})
     for line in sys.stdin:

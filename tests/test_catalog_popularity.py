@@ -601,3 +601,29 @@ def test_cards_delisted_deleted_or_locked_between_compute_and_write(catalog_db, 
         "SELECT xmin::text FROM catalog.popularity_daily_views WHERE card_id = %s AND run_date = %s"
     )
     assert catalog_db.one(xmin, held, D) != catalog_db.one(xmin, ids[0], D)
+
+
+def test_a_card_held_through_the_run_keeps_its_earlier_snapshot_of_the_date(catalog_db):
+    """A re-run of a date while a consumer's transaction holds a card from before the run to
+    after it: statement 2 upserts the card's snapshot, cannot lock the card, and puts the
+    snapshot the earlier run wrote back (value and created_at) before the commit; the range's
+    retry gives up after its lock_timeout. The card is reported skipped, its snapshot and score
+    stay the earlier run's pair; once the transaction commits, the next run takes it."""
+    held, other = catalog_db.card(views=80, score=20), catalog_db.card(views=90, score=0)
+    for cid in (held, other):
+        catalog_db.seed_snapshot(cid, D - timedelta(days=1), 30)
+        catalog_db.seed_snapshot(cid, D, 50)  # an earlier run of the date
+    row = "SELECT id, cumulative_views, created_at FROM catalog.popularity_daily_views "
+    row += "WHERE card_id = %s AND run_date = %s"
+    before = catalog_db.q(row, held, D)
+    with psycopg.connect(catalog_db.dsn) as blocker:
+        blocker.execute(INCREMENT, (1, held))  # held, uncommitted, for the whole run
+        s = assert_ok(run({"batch_size": 20}))
+        assert catalog_db.q(row, held, D) == before
+        assert catalog_db.score(held) == 20
+        assert catalog_db.snapshots(other)[-1] == (D, 90) and catalog_db.score(other) == 60
+        assert s["property_object_cards_skipped_locked"] == 1
+        assert s["property_object_cards_processed"] == 1 and s["snapshots_written"] == 1
+    s = assert_ok(run({"batch_size": 20}))
+    assert catalog_db.snapshots(held)[-1] == (D, 81) and catalog_db.score(held) == 51
+    assert s["property_object_cards_skipped_locked"] == 0
