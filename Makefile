@@ -60,6 +60,7 @@ SCALE ?= 1
 REPS ?= 3
 bench: setup
 	$(BIN)/python -m bench.run --scale $(SCALE) --reps $(REPS)
+	$(BIN)/python -m bench.replica_lag
 
 bench-growth: setup
 	$(BIN)/python -m bench.run --scale 3 --reps 1 --quiet-wait 180

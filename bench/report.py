@@ -90,10 +90,15 @@ def targets(all_res: list[dict]) -> list[str]:
         ("full_1", "news", "FullSweep"),
         ("window_1", "news", "DailyWindow"),
         ("popularity_1", "catalog", "popularity run"),
+        ("full_1_paced", "news", "FullSweep, paced"),
+        ("popularity_1_paced", "catalog", "popularity run, paced"),
     ):
+        hps = [res.get("hotpath") for res in all_res]
+        if not any(hp and item in hp["latency"] for hp in hps):
+            continue  # results from before the phase existed
         cells: dict[str, list[str]] = {"idle": [], "busy_core": [], "wait": []}
-        for hp in (res.get("hotpath") for res in all_res):
-            if not hp:
+        for hp in hps:
+            if not hp or item not in hp["latency"]:
                 for c in cells.values():
                     c.append("-")
                 continue
@@ -263,8 +268,38 @@ def facts(res: dict) -> list[str]:
     ]
 
 
+def replica_lag() -> list[str]:
+    """The pause of a FullSweep while a replica lags (bench/replica_lag.py), if measured."""
+    path = OUT / "replica_lag.json"
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    steady, lagging = r["steady"], r["lagging"]
+    return [
+        "## Pacing on a lagging replica",
+        "",
+        f"`{r['command'].strip()}`, {r['measured_at'][:16].replace('T', ' ')} UTC: a one-range "
+        f"FullSweep of {r['posts']:,} posts, replica-lag limit {r['lag_limit_mb']} MB, the "
+        f"standby's replay stopped for {r['hold_s']:g} s after the first batch.",
+        "",
+        "| run | seconds | paused s | batches | posts | corrected |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(
+            f"| {name} | {x['seconds']} | {x['paused_s']} | {x['batches']} | {x['posts']} | "
+            f"{x['corrected']} |"
+            for name, x in (("no lag", steady), ("replica lagging", lagging))
+        ),
+        "",
+        f"The lag added {r['extra_s']} s to the run: the pause lasts until the first recheck "
+        "after the standby has replayed back under the limit (rechecks at 0.5, 1, 2, 4 ... s). "
+        "tests/test_pacing.py proves that no batch is written meanwhile.",
+    ]
+
+
 def render(all_res: list[dict]) -> str:
     out = ["## Targets", "", *targets(all_res), "", "## Growth", "", *growth(all_res), ""]
+    if lag := replica_lag():
+        out += [*lag, ""]
     for res in reversed(all_res):
         out += [f"## Scale {res['scale']:g}", "", *facts(res), ""]
         out += ["### Times", "", *times(res), "", "### Write footprint", ""]

@@ -141,7 +141,8 @@ def bench_retention(dsn: str) -> list[dict]:
 def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
     """The hot-path load idle, with one core taken by a busy loop that touches no database (the
     CPU a job's worker and backend take, without their locks and I/O), both once, and during
-    one-range runs (one pool slot, the default) in each repetition."""
+    one-range runs (one pool slot, the default) in each repetition: with pacing off, as every
+    speed measurement runs, and with the DAGs' default pacing limits (``*_paced``)."""
 
     def busy_core() -> None:
         loop = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
@@ -155,6 +156,15 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
         "full_1": ("news", lambda: runners.run_news(pools["news"][1], "FullSweep", 1)),
         "window_1": ("news", lambda: runners.run_news(pools["news"][1], "DailyWindow", 1)),
         "popularity_1": ("catalog", lambda: runners.run_catalog(pools["catalog"][1], 1)),
+        # the same runs pacing on the database's health with the DAGs' default limits
+        "full_1_paced": (
+            "news",
+            lambda: runners.run_news(pools["news"][1], "FullSweep", 1, paced=True),
+        ),
+        "popularity_1_paced": (
+            "catalog",
+            lambda: runners.run_catalog(pools["catalog"][1], 1, paced=True),
+        ),
     }
     windows: dict[str, list] = {k: [] for k in phases}
     statements: dict[str, list] = {k: [] for k in phases}  # per command of the scripts, avg ms

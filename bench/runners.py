@@ -109,12 +109,22 @@ def _ranges_stats(results: list[dict]) -> dict:
     }
 
 
-def run_news(pool: Pool, scope: str, n_ranges: int) -> dict:
+def _pacing(paced: bool) -> dict:
+    """The pacing params of a measured run: off (the job's own cost) unless ``paced`` (the
+    DAG's defaults, as a nightly run paces)."""
+    from pin_nightly import health
+
+    if paced:
+        return {}
+    return {name: (False if d is True else 0) for name, (_, d) in health.PARAMS.items()}
+
+
+def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict:
     from pin_nightly import jobs, news
 
     instant = datetime.now(UTC)
     run_id = _run_id(instant)
-    params = {"scope": scope, "max_ranges": n_ranges, **BIG_BUDGET}
+    params = {"scope": scope, "max_ranges": n_ranges, **BIG_BUDGET, **_pacing(paced)}
     t0 = time.perf_counter()
     opts = news.validate_options({**params, "drift_alert_threshold": 10**9}, instant)
     lease = jobs.acquire_lease(news.JOB, opts, run_id)
@@ -142,13 +152,14 @@ def run_news(pool: Pool, scope: str, n_ranges: int) -> dict:
     }
 
 
-def run_catalog(pool: Pool, n_ranges: int) -> dict:
+def run_catalog(pool: Pool, n_ranges: int, paced: bool = False) -> dict:
     from pin_nightly import catalog, jobs
 
     instant = datetime.combine(AS_OF, dtime(3, 0), tzinfo=UTC)
     run_id = _run_id(instant)
     t0 = time.perf_counter()
-    opts = catalog.validate_options({"max_ranges": n_ranges, **BIG_BUDGET}, instant)
+    params = {"max_ranges": n_ranges, **BIG_BUDGET, **_pacing(paced)}
+    opts = catalog.validate_options(params, instant)
     lease = jobs.acquire_lease(catalog.JOB, opts, run_id)
     results, plan_s = [], 0.0
     for kind in catalog.KINDS:

@@ -118,7 +118,7 @@ with DAG(
     @teardown
     @task(pool=POOL)
     def release_lease(lease: dict | None) -> bool:
-        return jobs.release_lease(catalog.JOB, lease, catalog.emit_state)
+        return jobs.teardown(catalog.JOB, lease, catalog.emit_state)
 
     # An asset event when the run completed both passes of its date (skipped, no event, otherwise)
     @task(pool=POOL, outlets=[catalog.SCORES_ASSET])

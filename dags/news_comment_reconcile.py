@@ -110,7 +110,7 @@ with DAG(
     @teardown
     @task(pool=POOL)
     def release_lease(lease: dict | None) -> bool:
-        return jobs.release_lease(news.JOB, lease, news.emit_state)
+        return jobs.teardown(news.JOB, lease, news.emit_state)
 
     # An asset event when the run completed its sweep (skipped, no event, otherwise)
     @task(pool=POOL, outlets=[news.COUNTS_ASSET])

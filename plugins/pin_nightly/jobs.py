@@ -296,21 +296,27 @@ def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
     return leases.Lease.from_xcom(data)
 
 
-def release_lease(
-    job: JobDef, lease_data: dict[str, Any] | None, emit_state: Callable[[], None] | None = None
-) -> bool:
+def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
     """Release the lease if this run holds it: the teardown task, and the summary (the
-    teardown does not run again when only a run's failed tasks are cleared). The teardown also
-    sends the job's state gauges (``emit_state``): it runs when the summary failed, and the
-    work a run completed is then still seen."""
+    teardown does not run again when only a run's failed tasks are cleared)."""
     lease = lease_from_xcom(lease_data)
     if lease is None:
         log.info("no lease was taken by this run: nothing to release")
         return False
     with connection(job.conn_id) as conn:
-        released = leases.release(conn, lease)
-    tracing.end_run(lease_data.get("trace"), datetime.fromisoformat(lease.acquired_at))
-    if emit_state is not None:
+        return leases.release(conn, lease)
+
+
+def teardown(
+    job: JobDef, lease_data: dict[str, Any] | None, emit_state: Callable[[], None]
+) -> bool:
+    """The teardown task: release the lease, then send the job's state gauges (``emit_state``:
+    the teardown runs when the summary failed, and the work a run completed is then still
+    seen) and the run's ``job_run`` span, from the acquisition to now."""
+    released = release_lease(job, lease_data)
+    lease = lease_from_xcom(lease_data)
+    if lease is not None:
+        tracing.end_run(lease_data.get("trace"), datetime.fromisoformat(lease.acquired_at))
         emit_state()
     return released
 
