@@ -523,6 +523,8 @@ def summarize(
         keyset.write_run_log(
             conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
         )
+        if signals is not None:  # a real run that held the lease
+            emit_state(conn)
     log.info(
         "run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
         "ProjectCardsUpdated=%(project_cards_updated)s "
@@ -535,7 +537,6 @@ def summarize(
         release_lease(JOB, lease_data)
         if signals is not None:
             metrics.gauge(f"{METRIC}_backlog_remaining", int(result["backlog_remaining"]))
-            emit_state()
             signals[0].send(signals[1])
     return result
 
@@ -562,15 +563,14 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     return signals
 
 
-def emit_state() -> None:
+def emit_state(conn) -> None:
     """The gauges of how fresh the scores are, from the database: the newest as_of_date whose
     passes all completed and its age. Sent by the summary and again by the teardown, which runs
     when the summary failed (a complete night whose summary was lost is still seen)."""
-    with connection(JOB.conn_id) as conn:
-        keyset.close_finished(conn, JOB.code)
-        with transaction(conn) as cur:
-            cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
-            scored = fetch_one_dict(cur)
+    keyset.close_finished(conn, JOB.code)
+    with transaction(conn) as cur:
+        cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
+        scored = fetch_one_dict(cur)
     if scored is not None:
         metrics.gauge("catalog_popularity_score_staleness_hours", scored["staleness_hours"])
         metrics.gauge(f"{METRIC}_scored_date_timestamp_seconds", scored["as_of_epoch"])

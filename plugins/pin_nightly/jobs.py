@@ -308,16 +308,19 @@ def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
 
 
 def teardown(
-    job: JobDef, lease_data: dict[str, Any] | None, emit_state: Callable[[], None]
+    job: JobDef, lease_data: dict[str, Any] | None, emit_state: Callable[[Any], None]
 ) -> bool:
-    """The teardown task: release the lease, then send the job's state gauges (``emit_state``:
-    the teardown runs when the summary failed, and the work a run completed is then still
-    seen) and the run's ``job_run`` span, from the acquisition to now."""
-    released = release_lease(job, lease_data)
+    """The teardown task: release the lease, then send the job's state gauges (``emit_state``
+    on the same connection: the teardown runs when the summary failed, and the work a run
+    completed is then still seen) and the run's ``job_run`` span, from the acquisition to now."""
     lease = lease_from_xcom(lease_data)
-    if lease is not None:
-        tracing.end_run(lease_data.get("trace"), datetime.fromisoformat(lease.acquired_at))
-        emit_state()
+    if lease is None:
+        log.info("no lease was taken by this run: nothing to release")
+        return False
+    with connection(job.conn_id) as conn:
+        released = leases.release(conn, lease)
+        emit_state(conn)
+    tracing.end_run(lease_data.get("trace"), datetime.fromisoformat(lease.acquired_at))
     return released
 
 

@@ -413,6 +413,8 @@ def summarize(
         keyset.write_run_log(
             conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
         )
+        if signals is not None:  # a real run that held the lease
+            emit_state(conn)
     log.info(
         "job completed: posts_reconciled=%(posts_reconciled)s "
         "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
@@ -427,7 +429,6 @@ def summarize(
         release_lease(JOB, lease_data)
         if signals is not None:
             metrics.gauge(f"{METRIC}_backlog_remaining", int(result["backlog_remaining"]))
-            emit_state()
             sent, first = signals
             sent.send(first, functools.partial(_drift_alert, run_id))
     return result
@@ -497,13 +498,12 @@ def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def emit_state() -> None:
+def emit_state(conn) -> None:
     """The gauges of what the job has covered, from the database: when the newest FullSweep and
     DailyWindow completed. Sent by the summary and again by the teardown, which runs when the
     summary failed."""
-    with connection(JOB.conn_id) as conn:
-        keyset.close_finished(conn, JOB.code)
-        completed = _last_completed(conn)
+    keyset.close_finished(conn, JOB.code)
+    completed = _last_completed(conn)
     if "FullSweep" in completed:
         metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
     if "DailyWindow" in completed:
