@@ -281,7 +281,7 @@ NEWS_POINTS = {
     "range_mid_batch": ("pin_nightly.news.make_batch", "mid_batch"),
     "range_before_return": ("pin_nightly.keyset.run_range", "after"),
     "summarize": ("pin_nightly.news.summarize", "before"),
-    "release_lease": ("pin_nightly.jobs.release_lease", "before"),
+    "release_lease": ("pin_nightly.jobs.teardown", "before"),
 }
 NEWS_CLASSES = {
     "nothing written": ["validate_options", "acquire_lease"],
@@ -355,7 +355,7 @@ CATALOG_POINTS = {
     "projects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "Project"),
     "retention": ("pin_nightly.catalog.retention", "before", None),
     "summarize": ("pin_nightly.catalog.summarize", "before", None),
-    "release_lease": ("pin_nightly.jobs.release_lease", "before", None),
+    "release_lease": ("pin_nightly.jobs.teardown", "before", None),
 }
 CATALOG_CLASSES = {
     "nothing written": ["validate_options", "acquire_lease"],
