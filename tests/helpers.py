@@ -278,6 +278,49 @@ class CatalogDB(NewsDB):
         )
 
 
+class SlowVacuum:
+    """A real VACUUM of ``table`` slowed by its cost delay (about 0.4 s a page, so a few
+    thousand rows make it last), running from :meth:`start` until :meth:`cancel`."""
+
+    def __init__(self, dsn: str, table: str):
+        self.dsn, self.table = dsn, table
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.pid = self.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        self.cancelled = threading.Event()
+
+    def start(self) -> SlowVacuum:
+        for setting in (
+            "vacuum_cost_delay = 100",
+            "vacuum_cost_limit = 1",
+            "vacuum_cost_page_hit = 10000",
+        ):
+            self.conn.execute(f"SET {setting}")
+
+        def run():
+            try:
+                self.conn.execute(f"VACUUM (DISABLE_PAGE_SKIPPING) {self.table}")
+            except psycopg.errors.QueryCanceled:
+                self.cancelled.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            wait_for(
+                lambda: c.execute(
+                    "SELECT 1 FROM pg_stat_progress_vacuum WHERE relid = %s::regclass",
+                    (self.table,),
+                ).fetchone(),
+                timeout=10,
+                what=f"the VACUUM of {self.table} in pg_stat_progress_vacuum",
+            )
+        return self
+
+    def cancel(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            c.execute("SELECT pg_cancel_backend(%s)", (self.pid,))
+        wait_for(self.cancelled.is_set, timeout=10, what="the VACUUM cancelled")
+        self.conn.close()
+
+
 # --- reliability and security tests --------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from decimal import Decimal
 
 import psycopg
 
-from tests.helpers import assert_ok, night, when
+from tests.helpers import SlowVacuum, assert_ok, night, when
 from tests.helpers import reference_popularity_score as reference_score
 from tools import pgbench
 from tools.rundag import run_dag
@@ -165,6 +165,110 @@ def test_retention_and_delisted_cards(catalog_db):
     assert s["snapshots_pruned"] == 40 - 32
     assert catalog_db.score(gone) == 3  # a Delisted card is not recomputed
     assert catalog_db.snapshots(gone) == [(D - timedelta(days=1), 60)]
+
+
+def _slow_vacuum_of_the_snapshots(catalog_db) -> SlowVacuum:
+    """A slowed VACUUM of catalog.popularity_daily_views over 3,000 kept snapshots of other
+    cards, running."""
+    catalog_db.q(
+        "INSERT INTO catalog.popularity_daily_views (card_kind, card_id, run_date, "
+        "cumulative_views) SELECT 'PropertyObject', gen_random_uuid(), %s::date - 1, i "
+        "FROM generate_series(1, 3000) i",
+        D,
+    )
+    return SlowVacuum(catalog_db.dsn, "catalog.popularity_daily_views").start()
+
+
+def _retention_lease(conf: dict, run_id: str) -> tuple[dict, dict]:
+    """The options of a run of D with ``conf`` and the lease it took (as its XCom)."""
+    from pin_nightly import catalog, jobs
+
+    opts = catalog.validate_options(conf, night(D), run_id)
+    lease = jobs.acquire_lease(catalog.JOB, opts, run_id)
+    assert lease["acquired"], lease
+    return opts, lease
+
+
+def _old_snapshots(catalog_db) -> int:
+    return catalog_db.one(
+        "SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date < %s::date - 32", D
+    )
+
+
+def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
+    catalog_db, monkeypatch, capfd, caplog
+):
+    """Retention deletes a few snapshots a transaction and paces before each batch as a range
+    does: while a VACUUM runs on the snapshot table it deletes nothing; once the VACUUM is
+    cancelled it deletes every snapshot past the horizon, and none it keeps."""
+    from pin_nightly import catalog, jobs
+
+    cards = [catalog_db.card(views=100) for _ in range(3)]
+    for cid in cards:
+        for age in range(1, 41):
+            catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
+    old = _old_snapshots(catalog_db)
+    assert old == 3 * 8
+    monkeypatch.setattr(catalog, "RETENTION_BATCH", 5)
+    vacuum = _slow_vacuum_of_the_snapshots(catalog_db)
+    opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-vacuum")
+    seen: dict = {}
+
+    def watch_then_cancel():
+        time.sleep(1.5)
+        seen["during"] = _old_snapshots(catalog_db)
+        vacuum.cancel()
+
+    watcher = threading.Thread(target=watch_then_cancel, daemon=True)
+    watcher.start()
+    try:
+        pruned = catalog.retention(opts, lease)
+    finally:
+        watcher.join(15)
+        jobs.release_lease(catalog.JOB, lease)
+    assert seen["during"] == old  # nothing deleted while the VACUUM ran
+    assert pruned == old and _old_snapshots(catalog_db) == 0
+    for cid in cards:
+        assert [d for d, _ in catalog_db.snapshots(cid)] == [
+            D - timedelta(days=age) for age in range(32, 0, -1)
+        ]
+    text = capfd.readouterr().out + caplog.text
+    assert f"pausing: vacuum=running (catalog.popularity_daily_views pid {vacuum.pid}" in text
+    assert "retention resumes after" in text
+
+
+def test_retention_paused_past_the_deadline_stops_and_the_next_run_prunes_the_rest(
+    catalog_db, capfd, caplog
+):
+    """A VACUUM that outlasts the run's deadline: retention stops without deleting, the run is
+    not failed, and a later retention prunes everything past the horizon."""
+    from pin_nightly import catalog, jobs
+
+    cid = catalog_db.card(views=100)
+    for age in range(1, 41):
+        catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
+    vacuum = _slow_vacuum_of_the_snapshots(catalog_db)
+    opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-deadline")
+    catalog_db.q(
+        "UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp() + interval '1 s' "
+        "WHERE lock_key = %s",
+        catalog.JOB.lock_key,
+    )
+    try:
+        assert catalog.retention(opts, lease) == 0
+    finally:
+        vacuum.cancel()
+        jobs.release_lease(catalog.JOB, lease)
+    text = capfd.readouterr().out + caplog.text
+    assert "retention: budget spent while paused (vacuum=running" in text
+    assert "retention stopped at the run's deadline after 0 snapshot(s)" in text
+    assert _old_snapshots(catalog_db) == 8
+    opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-next")
+    try:
+        assert catalog.retention(opts, lease) == 8
+    finally:
+        jobs.release_lease(catalog.JOB, lease)
+    assert _old_snapshots(catalog_db) == 0
 
 
 def test_poison_rows_are_excluded_and_the_batch_commits(catalog_db, capfd, caplog):

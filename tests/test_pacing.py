@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from tests.conftest import SUFFIX
-from tests.helpers import NewsDB, assert_ok, skip_module, wait_for
+from tests.helpers import NewsDB, SlowVacuum, assert_ok, skip_module, wait_for
 from tools import devenv
 
 NEWS = "news_comment_reconcile"
@@ -254,60 +254,82 @@ def test_a_run_that_spends_its_budget_paused_ends_backlog_remaining_and_the_next
     assert pace_db.drifted_posts() == 0
 
 
+def _archived_posts(db: NewsDB, n: int = 3000) -> None:
+    """Posts the job never touches: pages for a slowed VACUUM of news.posts to work through."""
+    db.q(
+        "INSERT INTO news.posts (id, status, comments_count, updated_at) "
+        "SELECT gen_random_uuid(), 'Archived', 0, now() FROM generate_series(1, %s)",
+        n,
+    )
+
+
 def test_job_pauses_while_a_vacuum_runs_on_the_table_it_writes(
     pair, pace_db, capfd, caplog, pauses
 ):
-    """A real VACUUM of news.posts, slowed by its cost delay (about 0.4 s a page over 3,000
-    archived posts the job never touches), runs when the job starts: the job writes nothing
-    until the VACUUM is cancelled, then corrects every post."""
+    """A real VACUUM of news.posts, slowed by its cost delay, runs when the job starts: the job
+    writes nothing until the VACUUM is cancelled, then corrects every post."""
     pace_db.posts(30, drift_every=1)
-    pace_db.q(
-        "INSERT INTO news.posts (id, status, comments_count, updated_at) "
-        "SELECT gen_random_uuid(), 'Archived', 0, now() FROM generate_series(1, 3000)"
-    )
-    vacuum = psycopg.connect(pace_db.dsn, autocommit=True)
-    vacuum_pid = vacuum.execute("SELECT pg_backend_pid()").fetchone()[0]
-    for setting in (
-        "vacuum_cost_delay = 100",
-        "vacuum_cost_limit = 1",
-        "vacuum_cost_page_hit = 10000",
-    ):
-        vacuum.execute(f"SET {setting}")
-    outcome: dict = {}
-
-    def run_vacuum():
-        try:
-            vacuum.execute("VACUUM (DISABLE_PAGE_SKIPPING) news.posts")
-        except psycopg.errors.QueryCanceled:
-            outcome["cancelled"] = True
-
-    threading.Thread(target=run_vacuum, daemon=True).start()
-    wait_for(
-        lambda: pace_db.q(
-            "SELECT 1 FROM pg_stat_progress_vacuum WHERE relid = 'news.posts'::regclass"
-        ),
-        timeout=10,
-        what="the VACUUM of news.posts in pg_stat_progress_vacuum",
-    )
+    _archived_posts(pace_db)
+    vacuum = SlowVacuum(pace_db.dsn, "news.posts").start()
     at: dict = {}
 
     def cancel_later():
         time.sleep(2.0)
         at["end"] = clock(pace_db)
-        pace_db.q("SELECT pg_cancel_backend(%s)", vacuum_pid)
+        vacuum.cancel()
 
-    threading.Thread(target=cancel_later, daemon=True).start()
+    canceller = threading.Thread(target=cancel_later, daemon=True)
+    canceller.start()
     try:
         res = range_of(pace_db, 10, {**OFF, "pace_on_vacuum": True})()
     finally:
-        wait_for(lambda: outcome.get("cancelled"), timeout=10, what="the VACUUM cancelled")
-        vacuum.close()
+        canceller.join(15)
     assert res.status == "done" and res.changed == 30
     assert recorded(pace_db, before=at["end"]) == 0
     assert recorded(pace_db, after=at["end"]) == 30 and pace_db.drifted_posts() == 0
     warned = pausing(capfd, caplog)
-    assert warned and all(f"vacuum=running (news.posts pid {vacuum_pid}" in m for m in warned)
+    assert warned and all(f"vacuum=running (news.posts pid {vacuum.pid}" in m for m in warned)
     assert pauses == [{"dag_id": NEWS, "signal": "vacuum"}]
+
+
+def test_the_retry_of_a_skipped_row_paces_like_a_batch(pair, pace_db, capfd, caplog, spans):
+    """A drifted post locked by another session is skipped by its batch; a VACUUM starts and the
+    lock goes after the range's last batch: the end-of-range retry waits for the VACUUM, then
+    corrects the post."""
+    posts = pace_db.posts(15, drift_every=1)
+    _archived_posts(pace_db)
+    holder = psycopg.connect(pace_db.dsn)
+    holder.execute("SELECT 1 FROM news.posts WHERE id = %s FOR UPDATE", (posts[7],))
+    vacuum = SlowVacuum(pace_db.dsn, "news.posts")
+    at: dict = {}
+    batches = []
+
+    def on_batch(b):
+        batches.append(b)
+        if b.full:
+            return
+        vacuum.start()  # after the range's last batch (15 posts, batches of 10)
+        holder.rollback()
+
+        def cancel_later():
+            time.sleep(2.0)
+            at["end"] = clock(pace_db)
+            vacuum.cancel()
+
+        threading.Thread(target=cancel_later, daemon=True).start()
+
+    try:
+        res = range_of(pace_db, 10, {**OFF, "pace_on_vacuum": True})(on_batch=on_batch)
+    finally:
+        wait_for(lambda: "end" in at, timeout=15, what="the VACUUM cancelled")
+        holder.close()
+    assert len(batches) == 2 and res.retried == 1 and res.skipped_locked == 0
+    assert res.status == "done" and pace_db.drifted_posts() == 0
+    assert recorded(pace_db, after=at["end"]) == 1  # the retried post, once the VACUUM ended
+    assert [m for m in pausing(capfd, caplog) if "vacuum=running" in m]
+    [retry] = [s for s in spans.get_finished_spans() if s.name == "retry_locked_row"]
+    assert retry.attributes["pin.batch.pause_signals"] == "vacuum"
+    assert retry.attributes["pin.batch.paused_ms"] >= 1500
 
 
 def test_lock_waiters_are_counted_at_the_end_of_a_batch(pace_db):

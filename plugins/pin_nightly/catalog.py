@@ -19,6 +19,7 @@ from typing import Any
 import pendulum
 from airflow.sdk import Asset, Param
 
+from pin_nightly import health as healths
 from pin_nightly import jobs, keyset, metrics
 from pin_nightly import lease as leases
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
@@ -434,28 +435,30 @@ def retention_days(opts: dict[str, Any]) -> int:
     return max(opts["window_days"], DEFAULTS["window_days"])
 
 
+RETENTION_BATCH = 10_000  # snapshots a retention transaction deletes: about 1.5 MB of WAL
+
+
 def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
-    """Delete the snapshots no window reads any more, in a transaction of its own."""
+    """Delete the snapshots no window reads any more, :data:`RETENTION_BATCH` at a time, each
+    batch in a transaction of its own, pacing on the database's health before each (as a
+    range does) and stopping at the run's deadline: what is left is pruned by the next run."""
     if lease_from_xcom(lease_data) is None or opts["card_ids"]:
         log.info("retention skipped (%s)", "targeted run" if opts["card_ids"] else LOCK_HELD)
         return 0
     lease = rejoin_lease(JOB, lease_data)
     keep = retention_days(opts)
-    params = {"as_of": opts["as_of_date"], "keep_days": keep}
-    with connection(JOB.conn_id) as conn, transaction(conn) as cur:
-        if leases.fence(cur, lease)[0]:
-            log.warning("retention skipped: the run's deadline has passed")
-            return 0
-        why = _backfill_guard(cur, opts)
+    params = {"as_of": opts["as_of_date"], "keep_days": keep, "limit": RETENTION_BATCH}
+    with connection(JOB.conn_id) as conn:
+        with transaction(conn) as cur:
+            why = _backfill_guard(cur, opts)
+            if why is None and opts["dry_run"]:
+                cur.execute(sql("catalog/retention_count"), params)
+                pruned = int(cur.fetchone()[0])
         if why is not None:
             log.warning("retention skipped: %s", why)
             return 0
-        if opts["dry_run"]:
-            cur.execute(sql("catalog/retention_count"), params)
-            pruned = int(cur.fetchone()[0])
-        else:
-            cur.execute(sql("catalog/retention"), params)
-            pruned = cur.rowcount
+        if not opts["dry_run"]:
+            pruned = _prune(conn, lease, params, opts)
     log.info(
         "retention: %d snapshot(s) older than %s - %d days %s",
         pruned,
@@ -464,6 +467,30 @@ def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
         "would be pruned (dry run)" if opts["dry_run"] else "pruned",
     )
     return pruned
+
+
+def _prune(conn, lease: leases.Lease, params: dict[str, Any], opts: dict[str, Any]) -> int:
+    """Retention's batches until none is full; the snapshots deleted."""
+    pace = healths.Health.from_opts(opts, ("catalog.popularity_daily_views",), JOB.dag_id)
+    pruned = 0
+    while True:
+        pace.wait(conn, lease, label="retention")  # outside any transaction
+        with transaction(conn) as cur:
+            past_deadline, renew_due = leases.fence(cur, lease)
+            if past_deadline:
+                log.warning(
+                    "retention stopped at the run's deadline after %d snapshot(s); the next "
+                    "run prunes the rest",
+                    pruned,
+                )
+                return pruned
+            cur.execute(sql("catalog/retention"), params)
+            deleted = cur.rowcount
+        pruned += deleted
+        if deleted < params["limit"]:
+            return pruned
+        if renew_due:
+            leases.renew(conn, lease)
 
 
 def summarize(

@@ -193,7 +193,8 @@ class Health:
 
     def wait(self, conn, lease=None, budget_share: float = 1.0, stop=None, label="") -> Pause:
         """Before a batch, outside any transaction: return once every signal is under its
-        limit, the range's budget is spent, or a stop is requested; what it paused."""
+        limit, the range's budget is spent, or a stop is requested; what it paused. ``label``
+        names what waits in the log (``range ...``, ``retention``)."""
         pause = Pause()
         if not self.on:
             return pause
@@ -211,7 +212,7 @@ class Health:
                     metrics.incr(METRIC, tags={"dag_id": self.dag_id, "signal": r.signal})
             if left is not None and left <= 0:
                 log.warning(
-                    "range %s: budget spent while paused (%s); it stops here",
+                    "%s: budget spent while paused (%s); it stops here",
                     label,
                     "; ".join(map(str, over)),
                 )
@@ -222,7 +223,7 @@ class Health:
             if left is not None:
                 sleep = min(sleep, left)
             log.warning(
-                "pausing: %s; range %s rechecks in %.1f s (paused %.1f s so far)",
+                "pausing: %s; %s rechecks in %.1f s (paused %.1f s so far)",
                 "; ".join(map(str, over)),
                 label,
                 sleep,
@@ -234,7 +235,7 @@ class Health:
         pause.seconds = time.monotonic() - started if pause.signals else 0.0
         if pause.signals and healthy:
             log.info(
-                "range %s resumes after %.1f s paused (%s)",
+                "%s resumes after %.1f s paused (%s)",
                 label,
                 pause.seconds,
                 ", ".join(pause.signals),

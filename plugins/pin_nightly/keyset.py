@@ -558,7 +558,7 @@ def run_range(
     stop = stop or StopSignal()
     res, skipped = _work_batches(work, row, batch_size, stop, on_batch, res)
     if res.status == "done":
-        res += _retry_skipped(work, skipped, retry_lock_timeout_ms)
+        res += _retry_skipped(work, skipped, retry_lock_timeout_ms, stop)
         with transaction(conn) as cur:
             work.update(cur, "common/range_done", why="taken over by someone else")
     if stop.requested:
@@ -582,7 +582,7 @@ class _Range:
         """Before a batch, outside any transaction: wait while the database is unhealthy."""
         if self.health is None:
             return healths.Pause()
-        return self.health.wait(self.conn, self.lease, self.share, stop, self.label)
+        return self.health.wait(self.conn, self.lease, self.share, stop, f"range {self.label}")
 
     def update(self, cur, statement, params=None, why="taken over or closed by someone else"):
         """A write to the range row, only while it is the acquisition's (and its sweep open)."""
@@ -620,11 +620,14 @@ class _Range:
             )
         return b, renew_due
 
-    def retry(self, row_id: str, timeout_ms: int) -> Counters | None:
+    def retry(
+        self, row_id: str, timeout_ms: int, paused: healths.Pause | None = None
+    ) -> Counters | None:
         """The end-of-range retry of one skipped row, in its own transaction, waiting at most
-        ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline)."""
+        ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline).
+        ``paused``: the pause before it, for its span."""
         with (
-            tracing.span("retry_locked_row", _retry_start, row_id) as span,
+            tracing.span("retry_locked_row", _retry_start, row_id, paused) as span,
             transaction(self.conn) as cur,
         ):
             cur.execute(sql("common/async_commit"))
@@ -711,8 +714,8 @@ def _batch_start(
     }
 
 
-def _retry_start(row_id: str) -> dict[str, Any]:
-    return {"pin.batch.row_id": row_id}
+def _retry_start(row_id: str, paused: healths.Pause | None = None) -> dict[str, Any]:
+    return {"pin.batch.row_id": row_id, **(paused.attributes() if paused is not None else {})}
 
 
 def _batch_attributes(b: Batch | None) -> dict[str, Any]:
@@ -723,13 +726,16 @@ def _batch_attributes(b: Batch | None) -> dict[str, Any]:
     return {**attributes, "pin.batch.cursor": b.last_id, "updated_count": b.counters.changed}
 
 
-def _retry_skipped(work: _Range, skipped: list[str], timeout_ms: int) -> Counters:
-    """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock; return
-    what the rows taken add to the range's counters."""
+def _retry_skipped(work: _Range, skipped: list[str], timeout_ms: int, stop) -> Counters:
+    """Take each skipped row once more, waiting at most ``timeout_ms`` for its lock and pacing
+    before each as before a batch; return what the rows taken add to the range's counters."""
     done = Counters()
     for row_id in skipped:
+        paused = work.pace(stop)  # outside any transaction
+        if stop.requested:
+            break
         try:
-            taken = work.retry(row_id, timeout_ms)
+            taken = work.retry(row_id, timeout_ms, paused)
         except Exception as exc:  # noqa: BLE001 - only a lock timeout is expected here
             if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise

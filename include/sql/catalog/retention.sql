@@ -1,5 +1,12 @@
--- Snapshots older than as_of_date - (keep_days + 2) are no longer read by any score; keep_days
--- is never less than the nightly window (see catalog.retention). The horizon is never computed
--- from a date later than the database's current date (UTC).
-DELETE FROM catalog.popularity_daily_views
- WHERE run_date < least(%(as_of)s::date, (now() AT TIME ZONE 'UTC')::date) - (%(keep_days)s + 2)
+-- One batch of retention: up to %(limit)s snapshots older than as_of_date - (keep_days + 2),
+-- which no score reads any more (keep_days is never less than the nightly window, see
+-- catalog.retention), oldest nights first through ix_popularity_daily_run_date. The horizon is
+-- never computed from a date later than the database's current date (UTC).
+WITH doomed AS (
+    SELECT id FROM catalog.popularity_daily_views
+     WHERE run_date < least(%(as_of)s::date, (now() AT TIME ZONE 'UTC')::date) - (%(keep_days)s + 2)
+     ORDER BY run_date
+     LIMIT %(limit)s)
+DELETE FROM catalog.popularity_daily_views v
+ USING doomed
+ WHERE v.id = doomed.id
