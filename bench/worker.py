@@ -139,6 +139,7 @@ def main() -> None:
     raw = psycopg.connect(sys.argv[1])
     register_default_adapters(raw)
     raw.autocommit = False
+    db.bound_session(raw)  # the session settings of the job's own connections
     prof = Profile(labels, {original("common/uuid7_now"): "{uuid7_now}"})
     conn = Proxy(raw, prof)
     send({"rss_kb": status_kb("VmRSS")})

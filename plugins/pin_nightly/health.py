@@ -38,7 +38,7 @@ from pin_nightly.db import fetch_one_dict, sql, transaction
 log = logging.getLogger(__name__)
 
 FIRST_PAUSE_S = 0.5  # the first recheck; most vacuums of a small table are over by then
-MAX_PAUSE_S = 30.0  # the longest wait between two rechecks
+MAX_PAUSE_S = 4.0  # the longest wait between two rechecks: a pause outlasts its cause by less
 WAL_WINDOW_S = 10.0  # the WAL rate is measured over about this many of the last seconds
 MIN_WAL_SPAN_S = 1.0  # ... and over at least this many (one fast batch is no rate)
 MB = 1024 * 1024
