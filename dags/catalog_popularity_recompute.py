@@ -7,8 +7,9 @@ projects) snapshot the cumulative counter `popularity_views` into
 `popularity_score` = sum of the daily deltas of the last `window_days` days, each weighted by
 2^(-age / `half_life_days`), rounded to 4 places; a day's growth is measured from the card's
 previous snapshot up to `window_days + 2` days back. Snapshots older than
-`max(window_days, 30) + 2` days are pruned at the end (a manual run with a small window never
-prunes what the nightly run needs). `as_of_date` is the run's logical date in UTC (manual
+`max(window_days, 30) + 2` days are pruned at the end, 10,000 a transaction, pacing like the
+batches (a manual run with a small window never prunes what the nightly run needs; a run at its
+deadline leaves the rest to the next). `as_of_date` is the run's logical date in UTC (manual
 runs: the day they were triggered); a date after the database's current date is refused.
 
 **Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
@@ -28,8 +29,8 @@ run with another `window_days` / `half_life_days` works passes of its own, never
   tasks (it resumes from its cursor), or let the next night recompute (a newer date supersedes
   the unfinished pass). `status: success` means both passes completed and nothing is left;
   `scores_as_of_date` is the newest date whose two passes completed.
-- `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the
-  batches waited (README "Pacing on the database's health"); a run whose budget ran out paused
+- `pausing: <signal>=<value> over <limit>` in a range's (or `retention`'s) log: the database
+  was unhealthy and the batches waited (README "Pacing on the database's health"); a run whose budget ran out paused
   ends `backlog_remaining`, and the next run resumes.
 - `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
   numeric(12,4), an update a trigger or constraint rejects: `pin_nightly.item_error`); the log

@@ -427,6 +427,9 @@ BAD_SCHEMA_CONF = [
     ({"post_ids": "0190a000-0000-7000-8000-000000000000"}, "post_ids"),
     ({"dry_run": "yes"}, "dry_run"),
     ({"max_ranges": 0}, "max_ranges"),
+    ({"pace_max_wal_mb_per_second": -1}, "pace_max_wal_mb_per_second"),
+    ({"pace_replica_conn_ids": "replica_db"}, "pace_replica_conn_ids"),
+    ({"pace_replica_conn_ids": [""]}, "pace_replica_conn_ids"),
     ({"window_lookback_hours": 10**9}, "window_lookback_hours"),
     (
         {"max_run_duration_minutes": 10**9, "lock_ttl_minutes": 2 * 10**9},

@@ -219,6 +219,47 @@ def test_job_stops_writing_while_a_replica_lags_and_finishes_once_replay_resumes
     assert paused[0].attributes["pin.batch.paused_ms"] >= 2000
 
 
+def test_named_replicas_are_read_on_their_own_connections_and_only_they_pace(
+    pair, pace_db, monkeypatch
+):
+    """With replicas named (Airflow connections), the lag is read on each of them: the paused
+    standby is over the limit under its connection's name. A run that names only another
+    replica ignores the lagging standby (a delayed or cascading one may be left out); a named
+    replica that cannot be reached pauses; a name with no connection fails the run's setup."""
+    from pin_nightly import jobs, news
+    from pin_nightly.db import JobConfigError, connection
+    from pin_nightly.health import Health
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_STANDBY_DB", devenv.airflow_connection(pair.standby.dsn("pace_news"))
+    )
+    nowhere = f"host={pair.root} port=1 user=postgres dbname=pace_news connect_timeout=2"
+    monkeypatch.setenv("AIRFLOW_CONN_NOWHERE_DB", devenv.airflow_connection(nowhere))
+    limits = {**OFF, "pace_max_replica_lag_mb": 0.5, "pace_max_replica_lag_seconds": 3600}
+    pair.wait_caught_up()
+    named = Health.from_opts({**limits, "pace_replica_conn_ids": ["standby_db"]})
+    other = Health.from_opts({**limits, "pace_replica_conn_ids": ["nowhere_db"]})
+    with connection("news_db") as conn:
+        assert named.read(conn)[0] == []  # caught up
+        pair.pause_replay()
+        write_wal(pace_db, 2)
+        over, _ = named.read(conn)
+        assert [(r.signal, r.about) for r in over] == [("replica_lag_mb", "standby_db")]
+        assert over[0].value > 1.5
+        assert Health.from_opts(limits).read(conn)[0][0].about != "standby_db"  # the view's
+        [unreachable] = other.read(conn)[0]  # the lagging standby is not named here
+        assert unreachable.signal == "replica_unreachable"
+        assert str(unreachable).startswith("replica_unreachable (nowhere_db: ")
+        pair.resume_replay()
+        wait_for(lambda: named.read(conn)[0] == [], what="the named standby to catch up")
+    named.close()
+    assert named._replica_conns == {}
+    opts = {**news.DEFAULTS, "pace_replica_conn_ids": ["no_such_db"]}
+    with pytest.raises(JobConfigError, match="'no_such_db' is not defined"):
+        jobs.acquire_lease(news.JOB, opts, "named-replicas")
+    assert pace_db.q("SELECT * FROM pin_nightly.job_lease") == []
+
+
 def test_a_run_that_spends_its_budget_paused_ends_backlog_remaining_and_the_next_finishes(
     pair, pace_db, capfd, caplog
 ):
@@ -439,6 +480,7 @@ def test_both_jobs_have_the_pace_params_and_catalog_watches_its_tables(scheduler
         params = scheduler_dag(dag_id).params
         for name, (_, default) in health.PARAMS.items():
             assert params[name] == default, (dag_id, name)
+        assert params[health.REPLICAS_PARAM] == []
     assert health.Health.from_opts(OFF).on is False
     assert health.Health.from_opts({}).limits == {
         "replica_lag_seconds": 30,

@@ -470,27 +470,27 @@ def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
 
 
 def _prune(conn, lease: leases.Lease, params: dict[str, Any], opts: dict[str, Any]) -> int:
-    """Retention's batches until none is full; the snapshots deleted."""
-    pace = healths.Health.from_opts(opts, ("catalog.popularity_daily_views",), JOB.dag_id)
+    """Retention's batches until one is not full; the snapshots deleted."""
     pruned = 0
-    while True:
-        pace.wait(conn, lease, label="retention")  # outside any transaction
-        with transaction(conn) as cur:
-            past_deadline, renew_due = leases.fence(cur, lease)
-            if past_deadline:
-                log.warning(
-                    "retention stopped at the run's deadline after %d snapshot(s); the next "
-                    "run prunes the rest",
-                    pruned,
-                )
+    with healths.Health.from_opts(opts, ("catalog.popularity_daily_views",), JOB.dag_id) as pace:
+        while True:
+            pace.wait(conn, lease, label="retention")  # outside any transaction
+            with transaction(conn) as cur:
+                past_deadline, renew_due = leases.fence(cur, lease)
+                if past_deadline:
+                    log.warning(
+                        "retention stopped at the run's deadline after %d snapshot(s); the "
+                        "next run prunes the rest",
+                        pruned,
+                    )
+                    return pruned
+                cur.execute(sql("catalog/retention"), params)
+                deleted = cur.rowcount
+            pruned += deleted
+            if deleted < params["limit"]:
                 return pruned
-            cur.execute(sql("catalog/retention"), params)
-            deleted = cur.rowcount
-        pruned += deleted
-        if deleted < params["limit"]:
-            return pruned
-        if renew_due:
-            leases.renew(conn, lease)
+            if renew_due:
+                leases.renew(conn, lease)
 
 
 def summarize(

@@ -61,13 +61,9 @@ def sql(name: str) -> str:
         ) from None
 
 
-def connect(conn_id: str):
-    """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off.
-
-    A missing Airflow connection raises :class:`JobConfigError` (not retried); an unreachable
-    server raises :class:`DatabaseUnavailable` (retried). Both name the connection, and both
-    happen before the task touches any data.
-    """
+def resolve(conn_id: str):
+    """The ``PostgresHook`` of an Airflow connection that must exist (:class:`JobConfigError`
+    naming it otherwise), without connecting."""
     from airflow.providers.postgres.hooks.postgres import PostgresHook
 
     try:
@@ -82,6 +78,17 @@ def connect(conn_id: str):
             f"Airflow connection {conn_id!r} is not defined: create it (UI Admin > "
             f"Connections, or AIRFLOW_CONN_{conn_id.upper()})"
         ) from exc
+    return hook
+
+
+def connect(conn_id: str):
+    """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off.
+
+    A missing Airflow connection raises :class:`JobConfigError` (not retried); an unreachable
+    server raises :class:`DatabaseUnavailable` (retried). Both name the connection, and both
+    happen before the task touches any data.
+    """
+    hook = resolve(conn_id)
     try:
         conn = hook.get_conn()
     except Exception as exc:  # noqa: BLE001 - re-raised with the connection named

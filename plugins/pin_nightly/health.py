@@ -4,7 +4,10 @@ the database's health signals and pauses while one is over its limit.
 Signals (``include/sql/health/``), each with its param (0 turns a number off):
 
 - ``replica_lag_seconds`` / ``replica_lag_mb``: the replay lag of the worst streaming replica
-  (``pg_stat_replication``), in seconds and in WAL not yet replayed;
+  (``pg_stat_replication``), in seconds and in WAL not yet replayed; or, where the run names
+  replicas (``pace_replica_conn_ids``, Airflow connections), of the worst of those, read on each
+  replica (a cascading or delayed standby is then left out or counted as the deployment
+  chooses); a named replica that cannot be read is ``replica_unreachable``;
 - ``vacuum``: a VACUUM (autovacuum or manual) running on a table the batch writes
   (``pg_stat_progress_vacuum``), when ``pace_on_vacuum``;
 - ``wal_mb_per_second``: the WAL the server writes per second while the range works, measured
@@ -44,6 +47,8 @@ MIN_WAL_SPAN_S = 1.0  # ... and over at least this many (one fast batch is no ra
 MB = 1024 * 1024
 METRIC = "pin_nightly_pauses_total"
 
+# the replicas a run names (Airflow connection ids); none: every replica the primary streams to
+REPLICAS_PARAM = "pace_replica_conn_ids"
 # param -> (signal, default); the params' schemas are in jobs.common_params
 PARAMS = {
     "pace_max_replica_lag_seconds": ("replica_lag_seconds", 30),
@@ -68,6 +73,8 @@ class Reading:
         about = f" ({self.about})" if self.about else ""
         if self.signal == "vacuum":
             return f"vacuum=running{about}"
+        if self.signal == "replica_unreachable":
+            return f"replica_unreachable{about}"
         return f"{self.signal}={_fmt(self.value)} over {_fmt(self.limit)}{about}"
 
 
@@ -99,6 +106,8 @@ class Health:
     limits: dict[str, float]  # signal -> limit
     tables: tuple[str, ...] = ()
     dag_id: str = ""
+    replicas: tuple[str, ...] = ()  # named replicas' connection ids (none: pg_stat_replication)
+    _replica_conns: dict = field(default_factory=dict)  # connection id -> open connection
     _wal: deque = field(default_factory=deque)  # (monotonic seconds, WAL bytes)
     _waiters: tuple[int, float] = (0, 0.0)  # at the end of the last batch: count, longest wait
     _blind_warned: bool = False
@@ -113,7 +122,7 @@ class Health:
                 value = 1 if value else 0
             if value:
                 limits[signal] = float(value)
-        return cls(limits, tuple(tables), dag_id)
+        return cls(limits, tuple(tables), dag_id, tuple(opts.get(REPLICAS_PARAM) or ()))
 
     @property
     def on(self) -> bool:
@@ -155,13 +164,16 @@ class Health:
             if limit is not None and value is not None and value > limit:
                 over.append(Reading(signal, value, limit, about))
 
-        check("replica_lag_seconds", row["replica_lag_seconds"], row["replica_lag_seconds_of"])
-        lag_bytes = row["replica_lag_bytes"]
-        check(
-            "replica_lag_mb",
-            None if lag_bytes is None else lag_bytes / MB,
-            row["replica_lag_bytes_of"],
-        )
+        if self.replicas:
+            over += self._named_replicas(row["wal_bytes"])
+        else:
+            check("replica_lag_seconds", row["replica_lag_seconds"], row["replica_lag_seconds_of"])
+            lag_bytes = row["replica_lag_bytes"]
+            check(
+                "replica_lag_mb",
+                None if lag_bytes is None else lag_bytes / MB,
+                row["replica_lag_bytes_of"],
+            )
         if row["vacuum"] and "vacuum" in self.limits:
             over.append(Reading("vacuum", 1, 0, row["vacuum"]))
         check("wal_mb_per_second", self._wal_rate(now, float(row["wal_bytes"])))
@@ -171,6 +183,62 @@ class Health:
         self._waiters = (0, 0.0)  # a waiter is counted once; the pause has let it through
         left = None if lease is None else row["seconds_left"] or 0.0
         return over, left
+
+    def _named_replicas(self, primary_bytes: float) -> list[Reading]:
+        """The named replicas over a replica-lag limit (or unreachable), each read on its own
+        connection after the primary's WAL position (so a lag is never overstated)."""
+        seconds, mb = self.limits.get("replica_lag_seconds"), self.limits.get("replica_lag_mb")
+        if seconds is None and mb is None:
+            return []
+        over = []
+        for conn_id in self.replicas:
+            row = self._read_replica(conn_id)
+            if isinstance(row, str):
+                over.append(Reading("replica_unreachable", 1, 0, f"{conn_id}: {row}"))
+                continue
+            lag_mb = max(primary_bytes - float(row["replay_bytes"]), 0.0) / MB
+            if seconds is not None and row["lag_seconds"] > seconds:
+                over.append(Reading("replica_lag_seconds", row["lag_seconds"], seconds, conn_id))
+            if mb is not None and lag_mb > mb:
+                over.append(Reading("replica_lag_mb", lag_mb, mb, conn_id))
+        return over
+
+    def _read_replica(self, conn_id: str) -> dict[str, Any] | str:
+        """A named replica's replay position (``health/replica``), or why it cannot be read
+        (its connection is opened again at the next reading)."""
+        from pin_nightly.db import DatabaseUnavailable, connect
+
+        try:
+            conn = self._replica_conns.get(conn_id) or connect(conn_id)
+            self._replica_conns[conn_id] = conn
+            with transaction(conn) as cur:
+                cur.execute(sql("health/replica"))
+                row = fetch_one_dict(cur)
+        except (DatabaseUnavailable, *_db_errors()) as exc:
+            self._drop_replica(conn_id)
+            return str(exc).strip().splitlines()[0]
+        if not row["in_recovery"]:
+            return "not a replica (pg_is_in_recovery() is false)"
+        return row
+
+    def _drop_replica(self, conn_id: str) -> None:
+        conn = self._replica_conns.pop(conn_id, None)
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001, S110 - already broken
+                pass
+
+    def close(self) -> None:
+        """Close the named replicas' connections."""
+        for conn_id in list(self._replica_conns):
+            self._drop_replica(conn_id)
+
+    def __enter__(self) -> Health:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _wal_rate(self, now: float, wal_bytes: float) -> float | None:
         """MB/s written over the last :data:`WAL_WINDOW_S` (at least :data:`MIN_WAL_SPAN_S`);
@@ -241,6 +309,17 @@ class Health:
                 ", ".join(pause.signals),
             )
         return pause
+
+
+def _db_errors() -> tuple[type[BaseException], ...]:
+    """The drivers' database errors (a named replica's connection may use either)."""
+    errors: list[type[BaseException]] = []
+    for module in ("psycopg", "psycopg2"):
+        try:
+            errors.append(__import__(module).Error)
+        except ImportError:
+            continue
+    return tuple(errors)
 
 
 def _sleep(seconds: float, stop) -> bool:

@@ -20,9 +20,11 @@ from pin_nightly.db import (
     ensure_schema,
     fetch_one_dict,
     has_index_on,
+    resolve,
     sql,
     transaction,
 )
+from pin_nightly.health import REPLICAS_PARAM
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,13 @@ def pace_params() -> dict[str, Any]:
             "more than this many WAL segments wait for the archiver (when archive_mode is on)",
             integer=True,
         ),
+        REPLICAS_PARAM: Param(
+            [],
+            type="array",
+            items={"type": "string", "minLength": 1},
+            description="Airflow connections of the replicas whose replay lag paces the job "
+            "(read on each replica); empty: every streaming replica in pg_stat_replication",
+        ),
         "pace_max_lock_waiters": number(
             "pace_max_lock_waiters",
             "more than this many sessions were waiting for the job's row locks at the end of "
@@ -236,6 +245,8 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, A
     ``acquired: False`` and the planning task plans nothing (the run succeeds, doing nothing).
     """
     holder = holder_of(job, opts, run_id)
+    for replica in opts.get(REPLICAS_PARAM) or ():
+        resolve(replica)  # a named replica's connection must exist before anything is written
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
         try:

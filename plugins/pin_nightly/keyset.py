@@ -546,6 +546,15 @@ def run_range(
     work.health = health or healths.Health.from_opts(
         job.opts, job.writes, lease.holder.partition("/")[0]
     )
+    with work.health:
+        return _run_range(work, rng, batch_size, retry_lock_timeout_ms, on_batch, stop)
+
+
+def _run_range(
+    work: _Range, rng: dict[str, Any], batch_size: int, retry_lock_timeout_ms, on_batch, stop
+) -> RangeResult:
+    conn, lease = work.conn, work.lease
+    ids = {k: work.key[k] for k in ("sweep_id", "range_no")}
     row = get_range(conn, rng)
     res = RangeResult(**ids, status="done", cursor_id=row["cursor_id"])
     why = superseded(row, lease.holder)
