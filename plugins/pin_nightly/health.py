@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pin_nightly import metrics
-from pin_nightly.db import fetch_one_dict, sql, transaction
+from pin_nightly.db import DatabaseUnavailable, connect, fetch_one_dict, sql, transaction
 
 log = logging.getLogger(__name__)
 
@@ -206,17 +206,17 @@ class Health:
     def _read_replica(self, conn_id: str) -> dict[str, Any] | str:
         """A named replica's replay position (``health/replica``), or why it cannot be read
         (its connection is opened again at the next reading)."""
-        from pin_nightly.db import DatabaseUnavailable, connect
-
         try:
             conn = self._replica_conns.get(conn_id) or connect(conn_id)
             self._replica_conns[conn_id] = conn
             with transaction(conn) as cur:
                 cur.execute(sql("health/replica"))
                 row = fetch_one_dict(cur)
-        except (DatabaseUnavailable, *_db_errors()) as exc:
+        except Exception as exc:
+            if not _from_database(exc):
+                raise
             self._drop_replica(conn_id)
-            return str(exc).strip().splitlines()[0]
+            return (str(exc).strip() or type(exc).__name__).splitlines()[0]
         if not row["in_recovery"]:
             return "not a replica (pg_is_in_recovery() is false)"
         return row
@@ -311,15 +311,12 @@ class Health:
         return pause
 
 
-def _db_errors() -> tuple[type[BaseException], ...]:
-    """The drivers' database errors (a named replica's connection may use either)."""
-    errors: list[type[BaseException]] = []
-    for module in ("psycopg", "psycopg2"):
-        try:
-            errors.append(__import__(module).Error)
-        except ImportError:
-            continue
-    return tuple(errors)
+def _from_database(exc: BaseException) -> bool:
+    """An error of the database or of reaching it (psycopg 3 or psycopg2), not of the code."""
+    return isinstance(exc, DatabaseUnavailable) or type(exc).__module__.split(".")[0] in (
+        "psycopg",
+        "psycopg2",
+    )
 
 
 def _sleep(seconds: float, stop) -> bool:
