@@ -291,7 +291,8 @@ def replica_lag() -> list[str]:
         ),
         "",
         f"The lag added {r['extra_s']} s to the run: the pause lasts until the first recheck "
-        "after the standby has replayed back under the limit (rechecks at 0.5, 1, 2, 4 ... s). "
+        "after the standby has replayed back under the limit (rechecks after 0.5, 1 and 2 s, then "
+        "every 4 s). "
         "tests/test_pacing.py proves that no batch is written meanwhile.",
     ]
 

@@ -101,9 +101,9 @@ def connect(conn_id: str):
 
 
 # Every session of a job is bounded by the server (a statement that runs away, a lock it would
-# wait for forever, a worker that stalls inside a transaction): the longest statements are the
-# range planning and retention (seconds at a million rows), a batch takes well under a second at
-# the default batch sizes, and the job never waits between the statements of a transaction.
+# wait for forever, a worker that stalls inside a transaction): the longest statement is the
+# range planning (seconds at a million rows), a batch or a retention transaction takes well under
+# a second at the default sizes, and the job never waits between the statements of a transaction.
 # A setting that the connection (extra ``options``: ``-c lock_timeout=2s``), the job's role or
 # its database already gives wins: these apply only where the session's value is 0 (off).
 SESSION_BOUNDS = {
