@@ -30,8 +30,8 @@ run with another `window_days` / `half_life_days` works passes of its own, never
   the unfinished pass). `status: success` means both passes completed and nothing is left;
   `scores_as_of_date` is the newest date whose two passes completed.
 - `pausing: <signal>=<value> over <limit>` in a range's (or `retention`'s) log: the database
-  was unhealthy and the batches waited (README "Pacing on the database's health"); a run whose budget ran out paused
-  ends `backlog_remaining`, and the next run resumes.
+  was unhealthy and the batches waited (README "Pacing on the database's health"); a run whose
+  budget ran out paused ends `backlog_remaining`, and the next run resumes.
 - `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
   numeric(12,4), an update a trigger or constraint rejects: `pin_nightly.item_error`); the log
   lists `card_kind` and `card_id` at ERROR. Fix the data; the next run picks them up.

@@ -320,6 +320,19 @@ class SlowVacuum:
         wait_for(self.cancelled.is_set, timeout=10, what="the VACUUM cancelled")
         self.conn.close()
 
+    def cancel_after(self, seconds: float, first: Callable[[], Any]) -> threading.Thread:
+        """Cancel it ``seconds`` from now, from another thread, calling ``first()`` just before
+        (to note what the test checks against); the thread, started."""
+
+        def later():
+            time.sleep(seconds)
+            first()
+            self.cancel()
+
+        thread = threading.Thread(target=later, daemon=True)
+        thread.start()
+        return thread
+
 
 # --- reliability and security tests --------------------------------------------------------
 

@@ -213,14 +213,7 @@ def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
     vacuum = _slow_vacuum_of_the_snapshots(catalog_db)
     opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-vacuum")
     seen: dict = {}
-
-    def watch_then_cancel():
-        time.sleep(1.5)
-        seen["during"] = _old_snapshots(catalog_db)
-        vacuum.cancel()
-
-    watcher = threading.Thread(target=watch_then_cancel, daemon=True)
-    watcher.start()
+    watcher = vacuum.cancel_after(1.5, lambda: seen.update(during=_old_snapshots(catalog_db)))
     try:
         pruned = catalog.retention(opts, lease)
     finally:

@@ -313,14 +313,7 @@ def test_job_pauses_while_a_vacuum_runs_on_the_table_it_writes(
     _archived_posts(pace_db)
     vacuum = SlowVacuum(pace_db.dsn, "news.posts").start()
     at: dict = {}
-
-    def cancel_later():
-        time.sleep(2.0)
-        at["end"] = clock(pace_db)
-        vacuum.cancel()
-
-    canceller = threading.Thread(target=cancel_later, daemon=True)
-    canceller.start()
+    canceller = vacuum.cancel_after(2.0, lambda: at.update(end=clock(pace_db)))
     try:
         res = range_of(pace_db, 10, {**OFF, "pace_on_vacuum": True})()
     finally:
@@ -351,13 +344,7 @@ def test_the_retry_of_a_skipped_row_paces_like_a_batch(pair, pace_db, capfd, cap
             return
         vacuum.start()  # after the range's last batch (15 posts, batches of 10)
         holder.rollback()
-
-        def cancel_later():
-            time.sleep(2.0)
-            at["end"] = clock(pace_db)
-            vacuum.cancel()
-
-        threading.Thread(target=cancel_later, daemon=True).start()
+        vacuum.cancel_after(2.0, lambda: at.update(end=clock(pace_db)))
 
     try:
         res = range_of(pace_db, 10, {**OFF, "pace_on_vacuum": True})(on_batch=on_batch)
