@@ -70,6 +70,10 @@ def pace_db(pair, monkeypatch):
     pair.primary.sql("CREATE DATABASE pace_news TEMPLATE pace_template")
     dsn = pair.primary.dsn("pace_news")
     monkeypatch.setenv("AIRFLOW_CONN_NEWS_DB", devenv.airflow_connection(dsn))
+    from pin_nightly.db import connection
+
+    with connection("news_db"):  # Airflow sets up its logging here, not under the test's capture
+        pass
     conn = psycopg.connect(dsn, autocommit=True)
     yield NewsDB(dsn, conn)
     conn.close()
