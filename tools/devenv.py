@@ -30,10 +30,14 @@ def admin_dsn() -> str:
     if _server is None:
         import logging
 
+        import fasteners
         import pgserver
 
         logging.getLogger("pgserver").setLevel(logging.WARNING)
-        _server = pgserver.get_server(str(PGDATA), cleanup_mode="stop")
+        # processes starting at once (the test workers of a fresh clone) would race to create
+        # the data directory: pgserver makes it with mkdir(exist_ok=False)
+        with fasteners.InterProcessLock(str(REPO / ".pgdata.lock")):
+            _server = pgserver.get_server(str(PGDATA), cleanup_mode="stop")
     return _server.get_uri()
 
 
