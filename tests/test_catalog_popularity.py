@@ -12,6 +12,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 import psycopg
+import pytest
 
 from tests.helpers import SlowVacuum, assert_ok, night, when
 from tests.helpers import reference_popularity_score as reference_score
@@ -262,6 +263,44 @@ def test_retention_paused_past_the_deadline_stops_and_the_next_run_prunes_the_re
     finally:
         jobs.release_lease(catalog.JOB, lease)
     assert _old_snapshots(catalog_db) == 0
+
+
+def test_retention_failing_between_batches_keeps_what_it_deleted_and_its_retry_prunes_the_rest(
+    catalog_db, monkeypatch
+):
+    """The connection lost after retention's second batch committed: the task fails, the two
+    batches stay deleted and nothing else is; run again (the task cleared), retention prunes
+    exactly the rest."""
+    from pin_nightly import catalog, jobs
+    from pin_nightly.db import DatabaseUnavailable
+
+    cards = [catalog_db.card(views=100) for _ in range(3)]
+    for cid in cards:
+        for age in range(1, 41):
+            catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
+    kept = catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views") - 24
+    monkeypatch.setattr(catalog, "RETENTION_BATCH", 5)
+    fences = [0]
+    real_fence = catalog.leases.fence
+
+    def fence(cur, lease, *args):
+        fences[0] += 1
+        if fences[0] == 3:
+            raise DatabaseUnavailable("connection lost")
+        return real_fence(cur, lease, *args)
+
+    monkeypatch.setattr(catalog.leases, "fence", fence)
+    opts, lease = _retention_lease({}, "retention-fails")
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            catalog.retention(opts, lease)
+        assert _old_snapshots(catalog_db) == 24 - 2 * 5
+        monkeypatch.setattr(catalog.leases, "fence", real_fence)
+        assert catalog.retention(opts, lease) == 24 - 2 * 5
+    finally:
+        jobs.release_lease(catalog.JOB, lease)
+    assert _old_snapshots(catalog_db) == 0
+    assert catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views") == kept
 
 
 def test_poison_rows_are_excluded_and_the_batch_commits(catalog_db, capfd, caplog):

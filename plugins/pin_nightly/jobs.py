@@ -310,12 +310,19 @@ def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
 def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
     """Release the lease if this run holds it: the teardown task, and the summary (the
     teardown does not run again when only a run's failed tasks are cleared)."""
-    lease = lease_from_xcom(lease_data)
+    lease = _held(lease_data)
     if lease is None:
-        log.info("no lease was taken by this run: nothing to release")
         return False
     with connection(job.conn_id) as conn:
         return leases.release(conn, lease)
+
+
+def _held(lease_data: dict[str, Any] | None) -> leases.Lease | None:
+    """The lease the run holds; None, said in the log, when it took none."""
+    lease = lease_from_xcom(lease_data)
+    if lease is None:
+        log.info("no lease was taken by this run: nothing to release")
+    return lease
 
 
 def teardown(
@@ -324,9 +331,8 @@ def teardown(
     """The teardown task: release the lease, then send the job's state gauges (``emit_state``
     on the same connection: the teardown runs when the summary failed, and the work a run
     completed is then still seen) and the run's ``job_run`` span, from the acquisition to now."""
-    lease = lease_from_xcom(lease_data)
+    lease = _held(lease_data)
     if lease is None:
-        log.info("no lease was taken by this run: nothing to release")
         return False
     with connection(job.conn_id) as conn:
         released = leases.release(conn, lease)
