@@ -15,9 +15,11 @@ runs: the day they were triggered); a date after the database's current date is 
 **Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
 function of the stored snapshots: re-running a date changes nothing (unless the counters moved
 since). A run whose `as_of_date` is older than the newest snapshot (or than a newer run's pass)
-writes nothing. Clearing a failed `recompute_*` task resumes its range from its cursor; cleared
-after a newer night ran, it writes nothing and says `superseded by the run ... of <date>`. A
-run with another `window_days` / `half_life_days` works passes of its own, never the nightly's.
+writes nothing; an Airflow backfill of a day before yesterday fails `validate_options` before
+writing (it would stamp today's counters on that day: tonight's run carries the growth).
+Clearing a failed `recompute_*` task resumes its range from its cursor; cleared after a newer
+night ran (or planned a pass), it writes nothing and says `superseded by the run ... of
+<date>`. A run with another `window_days` / `half_life_days` works passes of its own, never the nightly's.
 
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
@@ -37,6 +39,10 @@ run with another `window_days` / `half_life_days` works passes of its own, never
   lists `card_kind` and `card_id` at ERROR. Fix the data; the next run picks them up.
 - `nothing written: snapshots dated after today`: delete those rows (README, Runbook).
 - scores stale (`scores_as_of_date` more than 30 h old): no run completed both passes lately.
+- a night cut early (budget, graceful stop, failure): the next night's pass starts with the
+  cards it did not reach, in every range; when a pass was left unfinished the passes swap for
+  the next night (`recompute_property_objects` then works `Project#…` ranges). Past the
+  deadline retention still deletes the oldest night past the horizon.
 
 **Downstream**: `publish` updates the asset `catalog_popularity_scores` when the run completed
 both passes of its `as_of_date`; it is skipped (no event) for dry, targeted, skipped or
@@ -89,6 +95,9 @@ with DAG(
         nightly = jobs.is_nightly(dag_run.run_type)
         opts = catalog.validate_options(params, instant, dag_run.run_id, nightly)
         catalog.check_as_of_date(opts)
+        jobs.check_backfill(
+            catalog.JOB, opts["as_of_date"], jobs.is_backfill(dag_run.run_type), True
+        )
         return opts
 
     @setup

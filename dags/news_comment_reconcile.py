@@ -16,6 +16,8 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
 
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
+  An Airflow backfill of days before yesterday is refused there: a run sweeps today's rows
+  whatever its date, and the next DailyWindow reaches back to the last completed sweep.
 - summary `status: skipped, lock held` (and that line in `acquire_lease`'s log): another run
   (maybe another deployment firing the same slot: the holder `<dag>/<run_id> ~<tag>` names
   the acquisition) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
@@ -84,7 +86,10 @@ with DAG(
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
         instant = jobs.run_instant(logical_date, dag_run.run_after)
-        return news.validate_options(params, instant, jobs.is_nightly(dag_run.run_type))
+        opts = news.validate_options(params, instant, jobs.is_nightly(dag_run.run_type))
+        backfill = jobs.is_backfill(dag_run.run_type)
+        jobs.check_backfill(news.JOB, instant.date().isoformat(), backfill, False)
+        return opts
 
     @setup
     @task(pool=POOL)

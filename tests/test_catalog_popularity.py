@@ -231,11 +231,12 @@ def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
     assert "retention resumes after" in text
 
 
-def test_retention_paused_past_the_deadline_stops_and_the_next_run_prunes_the_rest(
+def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_next_the_rest(
     catalog_db, capfd, caplog
 ):
-    """A VACUUM that outlasts the run's deadline: retention stops without deleting, the run is
-    not failed, and a later retention prunes everything past the horizon."""
+    """A VACUUM that outlasts the run's deadline: retention deletes only the oldest night past
+    the horizon (the table never grows by more than a night), the run is not failed, and a
+    later retention prunes everything else past the horizon."""
     from pin_nightly import catalog, jobs
 
     cid = catalog_db.card(views=100)
@@ -249,17 +250,18 @@ def test_retention_paused_past_the_deadline_stops_and_the_next_run_prunes_the_re
         catalog.JOB.lock_key,
     )
     try:
-        assert catalog.retention(opts, lease) == 0
+        assert catalog.retention(opts, lease) == 1
     finally:
         vacuum.cancel()
         jobs.release_lease(catalog.JOB, lease)
     text = capfd.readouterr().out + caplog.text
     assert "retention: budget spent while paused (vacuum=running" in text
-    assert "retention stopped at the run's deadline after 0 snapshot(s)" in text
-    assert _old_snapshots(catalog_db) == 8
+    oldest = D - timedelta(days=40)
+    assert f"deletes the oldest night past the horizon ({oldest}) and leaves the rest" in text
+    assert _old_snapshots(catalog_db) == 7 and oldest not in dict(catalog_db.snapshots(cid))
     opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-next")
     try:
-        assert catalog.retention(opts, lease) == 8
+        assert catalog.retention(opts, lease) == 7
     finally:
         jobs.release_lease(catalog.JOB, lease)
     assert _old_snapshots(catalog_db) == 0

@@ -164,3 +164,62 @@ def test_run_over_budget_waits_for_a_runs_own_budget(monkeypatch):
     assert asyncio.run(check(ctx, 2, poll=0.2)) == (False, 3.0)
     assert ctx["dag_run"]["state"] == "running"
     assert deadlines.own_budget_seconds({"dag_run": {"conf": {"lock_ttl_minutes": True}}}) is None
+
+
+def _range(lo, hi, status="pending", cursor=None, wrap_at=None, wrapped=False):
+    return {"lower_id": lo, "upper_id": hi, "status": status, "cursor_id": cursor} | {
+        "wrap_at": wrap_at,
+        "wrapped": wrapped,
+    }
+
+
+def _covers_the_keyset_once(ranges):
+    """The ranges (lower, upper] partition the whole keyset: sorted, each starts where the
+    previous one ended, the first at the start and the last at the end."""
+    parts = sorted(ranges, key=lambda r: (r[0] is not None, r[0] or ""))
+    assert parts[0][0] is None and parts[-1][1] is None, parts
+    assert all(a[1] == b[0] and a[1] is not None for a, b in zip(parts, parts[1:])), parts
+
+
+def test_a_cut_sweep_leaves_every_ranges_tail_first_in_the_next_plan():
+    # four ranges worked at once, each cut half-way: the next plan starts with all four tails
+    previous = [
+        _range(None, "b", cursor="a"),
+        _range("b", "d", cursor="c"),
+        _range("d", "f", cursor="e"),
+        _range("f", None, cursor="g"),
+    ]
+    unreached, reached = keyset.coverage(previous)
+    assert unreached == [("a", "b"), ("c", "d"), ("e", "f"), ("g", None)]
+    assert reached == [(None, "a"), ("b", "c"), ("d", "e"), ("f", "g")]
+    fresh = [(None, "b"), ("b", "d"), ("d", "f"), ("f", None)]
+    out = keyset.rotated(fresh, unreached, reached)
+    assert [(a, b) for a, b, _, u in out if u] == unreached
+    assert [u for *_, u in out] == [True] * 4 + [False] * 4
+    _covers_the_keyset_once(out)
+
+
+def test_one_slot_rotation_goes_on_where_the_queue_stopped():
+    # one slot: the first range done, the second cut, the rest untouched; the part of the
+    # second it reached and the first come last
+    previous = [
+        _range(None, "b", status="done"),
+        _range("b", "d", cursor="c"),
+        _range("d", "f"),
+        _range("f", None),
+    ]
+    unreached, reached = keyset.coverage(previous)
+    assert unreached == [("c", None)] and reached == [(None, "c")]
+    out = keyset.rotated([(None, "b"), ("b", "d"), ("d", "f"), ("f", None)], unreached, reached)
+    assert [(a, b) for a, b, *_ in out] == [("c", "d"), ("d", "f"), ("f", None), (None, "b")] + [
+        ("b", "c")
+    ]
+    _covers_the_keyset_once(out)
+
+
+def test_a_rotated_range_of_an_earlier_release_is_read_as_it_ran():
+    # (wrap_at, upper] first, then (lower, wrap_at]: cut before and after the wrap
+    before = keyset.coverage([_range("b", "f", cursor="e", wrap_at="d"), _range("f", None)])
+    assert before == ([("e", "f"), ("b", "d"), ("f", None)], [("d", "e")])
+    after = keyset.coverage([_range(None, "f", cursor="b", wrap_at="d", wrapped=True)])
+    assert after == ([("b", "d")], [(None, "b"), ("d", "f")])

@@ -208,20 +208,55 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
 def plan_ranges(
     kind: str, opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
 ) -> list[dict[str, Any]]:
-    """Open (or adopt) the sweep of one card kind for as_of_date; return its ranges."""
+    """Open (or adopt) the sweep of the pass the DAG's pass of ``kind`` runs tonight (see
+    :func:`pass_order`) for as_of_date; return its ranges."""
     lease = lease_from_xcom(lease_data)
     if lease is None:
         log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
         return []
-    targeted = bool(opts["card_ids"])
-    resumable = not targeted and not opts["dry_run"]
-    spec = keyset.SweepSpec(
+    with connection(JOB.conn_id) as conn:
+        with transaction(conn) as cur:
+            why = _backfill_guard(cur, opts)
+            order = pass_order(cur, opts)
+        if why is not None:
+            log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
+            return []
+        family = order[[k.name for k in CARD_KINDS].index(kind)]
+        if family != kind:
+            log.info(
+                "the %s pass is behind (its pass of the night before did not finish): it "
+                "goes first tonight, passes %s",
+                order[0],
+                " then ".join(order),
+            )
+        job = Recompute(opts, None, run_id, family)
+        sweep = keyset.open_sweep(conn, _spec(family, opts), lease, run_id, job.plan)
+        with transaction(conn) as cur:
+            share = budget_share(cur, order[order.index(family) :], job.source)
+    ranges = keyset.range_descriptors(sweep, family)
+    for r in ranges:
+        r["budget_share"] = share
+    if share < 1:
+        log.info(
+            "%s pass: at most %.0f%% of the run's budget (its share of the cards); the rest "
+            "is the later passes'",
+            family,
+            share * 100,
+        )
+    return ranges
+
+
+def _spec(family: str, opts: dict[str, Any]) -> keyset.SweepSpec:
+    """The sweep of a pass: a nightly one may be resumed (its cards not reached go first the
+    next night); a targeted repair or a dry run may not."""
+    resumable = not opts["card_ids"] and not opts["dry_run"]
+    return keyset.SweepSpec(
         job=JOB.code,
-        family=kind,
+        family=family,
         resumable=resumable,
         rotate=resumable,
         as_of_date=opts["as_of_date"],
-        targeted=targeted,
+        targeted=bool(opts["card_ids"]),
         dry_run=opts["dry_run"],
         variant=formula_variant(opts),
         params={
@@ -231,38 +266,36 @@ def plan_ranges(
             "half_life_days": opts["half_life_days"],
         },
     )
-    with connection(JOB.conn_id) as conn:
-        with transaction(conn) as cur:
-            why = _backfill_guard(cur, opts)
-        if why is not None:
-            log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
-            return []
-
-        job = Recompute(opts, None, run_id, kind)
-        sweep = keyset.open_sweep(conn, spec, lease, run_id, job.plan)
-        with transaction(conn) as cur:
-            share = budget_share(cur, kind, job.source)
-    ranges = keyset.range_descriptors(sweep, kind)
-    for r in ranges:
-        r["budget_share"] = share
-    if share < 1:
-        log.info(
-            "%s pass: at most %.0f%% of the run's budget (its share of the cards); the rest "
-            "is the later passes'",
-            kind,
-            share * 100,
-        )
-    return ranges
 
 
-def budget_share(cur, kind: str, source: dict[str, Any]) -> float:
-    """The share of the run's time budget a pass may use: its cards over the cards of its pass
-    and the passes after it, so that a pass that outgrows the budget never starves the passes
-    after it (their share is theirs; what a pass leaves unused goes to the next). The last pass
-    may use all that is left."""
-    names = [k.name for k in CARD_KINDS]
+def pass_order(cur, opts: dict[str, Any]) -> list[str]:
+    """The order of tonight's passes: property objects, then projects, unless the newest
+    earlier night (of this formula) left a pass unfinished or never planned it. Then the passes
+    behind go first, the one that ran last (or not at all) first: a night cut early (its
+    budget, a graceful stop, a failure) never keeps cutting the same pass. Targeted repairs
+    and dry runs keep the default order. It depends on earlier nights only, so every task and
+    clear of tonight's run sees the same order."""
+    order = [k.name for k in CARD_KINDS]
+    if opts["card_ids"] or opts["dry_run"]:
+        return order
+    variant = formula_variant(opts)
+    params = {"job": JOB.code, "as_of": opts["as_of_date"], "suffix": f" {variant}" * bool(variant)}
+    cur.execute(sql("catalog/pass_order"), params)
+    previous = {r["family"]: r for r in fetch_dicts(cur)}
+    if not previous:
+        return order
+    behind = [k for k in order if k not in previous or previous[k]["status"] != "done"]
+    behind.sort(key=lambda k: (k in previous, -previous[k]["sweep_id"] if k in previous else 0))
+    return behind + [k for k in order if k not in behind]
+
+
+def budget_share(cur, passes: list[str], source: dict[str, Any]) -> float:
+    """The share of the run's time budget the first of ``passes`` (it and the passes after it,
+    in tonight's order) may use: its cards over the cards of all of them, so that a pass that
+    outgrows the budget never starves the passes after it (their share is theirs; what a pass
+    leaves unused goes to the next). The last pass may use all that is left."""
     counts = []
-    for later in names[names.index(kind) :]:
+    for later in passes:
         cur.execute(
             sql("common/keyset_count").replace("{source}", card_sql("source", later).strip()),
             source,
@@ -422,7 +455,30 @@ def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str) -> R
 def recompute_range(
     kind: str, rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
 ) -> dict[str, Any]:
-    """One mapped task: snapshot and rescore the cards of a keyset range."""
+    """One mapped task: snapshot and rescore the cards of a keyset range (of the pass its
+    planning task opened, ``rng["family"]``: tonight's order may differ from the DAG's). A
+    range of a run that may write nothing any more (a newer date has a pass or snapshots: a
+    late clear of an old night) writes nothing, as the run's planning does."""
+    kind = rng.get("family", kind)
+    if lease_from_xcom(lease_data) is not None:
+        with connection(JOB.conn_id) as conn, transaction(conn) as cur:
+            why = _backfill_guard(cur, opts)
+        if why is not None:
+            log.warning(
+                "range %s: as_of_date %s: %s; nothing written",
+                rng["label"],
+                opts["as_of_date"],
+                why,
+            )
+            return {
+                **keyset.RangeResult(
+                    sweep_id=rng["sweep_id"],
+                    range_no=rng["range_no"],
+                    status="superseded",
+                    superseded_by=why,
+                ).__dict__,
+                "label": rng["label"],
+            }
     job = make_batch(kind, opts, rng["sweep_id"], run_id)
     span = {"pin.card_kind": kind}
     return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id, span)
@@ -470,20 +526,37 @@ def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
 
 
 def _prune(conn, lease: leases.Lease, params: dict[str, Any], opts: dict[str, Any]) -> int:
-    """Retention's batches until one is not full; the snapshots deleted."""
+    """Retention's batches until one is not full; the snapshots deleted. Past the run's
+    deadline it still deletes the oldest night past the horizon, without pausing (a bounded
+    amount of work, then it stops): the table never grows by more than a night on nights whose
+    passes, or pauses, use the whole budget."""
     pruned = 0
+    with transaction(conn) as cur:
+        cur.execute(sql("catalog/retention_oldest"), params)
+        oldest = cur.fetchone()[0]
+    params = {**params, "through": None}
     with healths.Health.from_opts(opts, ("catalog.popularity_daily_views",), JOB.dag_id) as pace:
         while True:
-            pace.wait(conn, lease, label="retention")  # outside any transaction
+            if params["through"] is None:  # past the deadline: one night, unpaced
+                pace.wait(conn, lease, label="retention")  # outside any transaction
             with transaction(conn) as cur:
                 past_deadline, renew_due = leases.fence(cur, lease)
-                if past_deadline:
+                if past_deadline and params["through"] is None:
+                    if oldest is None:
+                        log.warning(
+                            "retention stopped at the run's deadline after %d snapshot(s); the "
+                            "next run prunes the rest",
+                            pruned,
+                        )
+                        return pruned
                     log.warning(
-                        "retention stopped at the run's deadline after %d snapshot(s); the "
-                        "next run prunes the rest",
+                        "retention: the run's deadline has passed after %d snapshot(s); it "
+                        "deletes the oldest night past the horizon (%s) and leaves the rest "
+                        "to the next run",
                         pruned,
+                        oldest,
                     )
-                    return pruned
+                    params["through"] = oldest
                 cur.execute(sql("catalog/retention"), params)
                 deleted = cur.rowcount
             pruned += deleted

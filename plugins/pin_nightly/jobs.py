@@ -8,7 +8,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from pin_nightly import keyset, metrics, tracing
@@ -368,6 +368,39 @@ def is_nightly(run_type: Any) -> bool:
     hand, a backfill or an asset). Only nightly runs set the gauges that describe the nightly
     work (a targeted repair of 3 posts must not clear a drift alert)."""
     return str(getattr(run_type, "value", run_type)) == "scheduled"
+
+
+def is_backfill(run_type: Any) -> bool:
+    """Whether a run was created by an Airflow backfill (the trigger form's Backfill tab,
+    ``POST /api/v2/backfills``, ``airflow backfill create``)."""
+    return str(getattr(run_type, "value", run_type)) == "backfill"
+
+
+def check_backfill(job: JobDef, day: str, backfill: bool, snapshots: bool) -> None:
+    """Refuse, before anything is written, a backfill run of a ``day`` (ISO) before yesterday
+    (the database's clock, UTC): it would read tonight's data as that day's. The popularity job
+    (``snapshots``) stamps today's counters as the day's snapshots, so the growth of every day
+    since lands on that one, aged; tonight's run carries the growth instead. A backfill of a
+    day already stored (a re-run), or older than stored snapshots (it writes nothing), goes on.
+    News sweeps today's rows whatever the day: a backfill repeats one run's work per day."""
+    if not backfill:
+        return
+    with connection(job.conn_id) as conn, transaction(conn) as cur:
+        statement = "common/backfill_snapshots" if snapshots else "common/backfill_today"
+        cur.execute(sql(statement), {"day": day})
+        today, stored = cur.fetchone()
+    if date.fromisoformat(day) >= today - timedelta(days=1) or stored:
+        return
+    carried = (
+        "tonight's run carries the growth since the newest snapshot"
+        if snapshots
+        else "the next run's DailyWindow reaches back to the last completed sweep"
+    )
+    raise JobConfigError(
+        f"backfill refused: {day} is before yesterday ({today - timedelta(days=1)}, the "
+        f"database's clock in UTC), and a run reads today's data, not that day's: {carried}; "
+        "nothing was written"
+    )
 
 
 @dataclass

@@ -35,6 +35,7 @@ from pin_nightly.db import fetch_dicts, fetch_one_dict, sql, sqlstate, transacti
 log = logging.getLogger(__name__)
 
 LOCK_NOT_AVAILABLE = "55P03"
+MAX_RANGES = 64  # ranges of a sweep at most (max_ranges and the cuts of a rotation)
 
 
 @dataclass(frozen=True)
@@ -282,21 +283,25 @@ def _create(cur, spec: SweepSpec, base: dict[str, Any], plan) -> dict[str, Any]:
 
 
 def _rotate_to_resume_point(cur, spec: SweepSpec, base: dict[str, Any], sweep, ranges) -> list:
-    """The new sweep's ranges in the order that starts where the family's previous sweep
-    stopped, when that one was abandoned unfinished (see :func:`rotated`)."""
-    cur.execute(sql("common/sweep_resume_point"), {**base, "sweep_id": sweep["sweep_id"]})
-    resume = fetch_one_dict(cur)
-    if resume is None:
+    """The new sweep's ranges in the order that starts with what the family's previous sweep
+    left unreached, when that one was abandoned unfinished (see :func:`rotated`)."""
+    cur.execute(sql("common/sweep_previous_ranges"), {**base, "sweep_id": sweep["sweep_id"]})
+    previous = fetch_dicts(cur)
+    unreached, reached = coverage(previous)
+    if not unreached:
         return ranges
+    out = rotated([r[:2] for r in ranges], unreached, reached)
     log.info(
-        "sweep %s (%s) starts after %s, where the unfinished sweep %s stopped: "
-        "the rows it did not reach go first",
+        "sweep %s (%s): the unfinished sweep %s left %d part(s) of the keyset unreached; "
+        "they go first, in %d range(s) of %d",
         sweep["sweep_id"],
         spec.scope,
-        resume["resume_after"],
-        resume["sweep_id"],
+        previous[0]["sweep_id"],
+        len(unreached),
+        sum(1 for r in out if r[3]),
+        len(out),
     )
-    return rotated([r[:2] for r in ranges], resume["resume_after"])
+    return [r[:3] for r in out]
 
 
 def _adopt_others(cur, base: dict[str, Any]) -> list[dict[str, Any]]:
@@ -314,19 +319,82 @@ def _adopt_others(cur, base: dict[str, Any]) -> list[dict[str, Any]]:
     return others
 
 
-def rotated(pairs: list[tuple[str | None, str | None]], start: str) -> list:
-    """The ranges ``(lower, upper]`` (None: an open end) of a keyset as ``(lower, upper,
-    wrap_at)``, in the order that starts right after ``start``: the range holding ``start``
-    goes first and starts there (``wrap_at``: it works ``(start, upper]``, then ``(lower,
-    start]``), then the ranges after it, then those before it. Ranges are queued in that order
-    (the scheduler queues mapped tasks by map index), and a single range needs no order at
-    all. Ids compare as their text (lowercase hex uuids order as the uuids do)."""
-    for i, (lo, hi) in enumerate(pairs):
-        if (lo is None or lo < start) and (hi is None or start <= hi):
-            if start == hi:  # it stopped at this range's end: the next range goes first
-                return [(a, b, None) for a, b in [*pairs[i + 1 :], *pairs[: i + 1]]]
-            return [(lo, hi, start), *((a, b, None) for a, b in [*pairs[i + 1 :], *pairs[:i]])]
-    return [(lo, hi, None) for lo, hi in pairs]
+Interval = tuple[str | None, str | None]  # (lower, upper] of ids; None: an open end
+
+
+def _nonempty(*intervals: Interval) -> list[Interval]:
+    return [(a, b) for a, b in intervals if a is None or b is None or a < b]
+
+
+def _range_coverage(r: dict[str, Any]) -> tuple[list[Interval], list[Interval]]:
+    """What one range of an unfinished sweep left: ``(unreached, reached)`` intervals, the
+    unreached ones in the order the range would have worked them."""
+    lo, hi, wrap_at, cursor = r["lower_id"], r["upper_id"], r["wrap_at"], r["cursor_id"]
+    if r["status"] == "done":
+        return [], [(lo, hi)]
+    if wrap_at is None:  # (lower, cursor] reached
+        return _nonempty((cursor or lo, hi)), (_nonempty((lo, cursor)) if cursor else [])
+    if not r["wrapped"]:  # it started at wrap_at: (wrap_at, cursor] reached
+        at = cursor or wrap_at
+        return _nonempty((at, hi), (lo, wrap_at)), _nonempty((wrap_at, at))
+    at = cursor or lo  # wrapped: (wrap_at, upper] and (lower, cursor] reached
+    return _nonempty((at, wrap_at)), _nonempty((wrap_at, hi)) + (_nonempty((lo, at)) if at else [])
+
+
+def _key(bound: str | None) -> tuple[bool, str]:
+    return (bound is not None, bound or "")
+
+
+def _merged(intervals: list[Interval]) -> list[Interval]:
+    """Consecutive intervals that meet, as one."""
+    out: list[Interval] = []
+    for a, b in intervals:
+        if out and out[-1][1] is not None and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def coverage(previous: list[dict[str, Any]]) -> tuple[list[Interval], list[Interval]]:
+    """What an unfinished sweep (its ranges in the order they were queued) left unreached, in
+    that order, and what it reached, in keyset order: together they cover the keyset."""
+    unreached: list[Interval] = []
+    reached: list[Interval] = []
+    for r in previous:
+        u, d = _range_coverage(r)
+        unreached += u
+        reached += d
+    return _merged(unreached), _merged(sorted(reached, key=lambda i: _key(i[0])))
+
+
+def _inside(i: Interval, piece: Interval) -> bool:
+    (a, b), (lo, hi) = i, piece
+    return (lo is None or (a is not None and lo <= a)) and (
+        hi is None or (b is not None and b <= hi)
+    )
+
+
+def rotated(
+    pairs: list[Interval], unreached: list[Interval], reached: list[Interval]
+) -> list[tuple[str | None, str | None, None, bool]]:
+    """The ranges ``(lower, upper]`` (None: an open end) of a new plan of the keyset as
+    ``(lower, upper, wrap_at, unreached)``, cut where an unfinished sweep's ``unreached`` and
+    ``reached`` parts (:func:`coverage`) meet, and queued so that the parts it left
+    unreached go first, in the order it would have worked them, then the parts it reached.
+    The scheduler queues mapped tasks by map index and runs as many at once as the pool has
+    slots, so every range the unfinished sweep cut goes on before anything it had done is
+    done again. More than :data:`MAX_RANGES` ranges: the plan's own cuts are dropped. Ids
+    compare as their text (lowercase hex uuids order as the uuids do)."""
+    pieces = [(p, True) for p in unreached] + [(p, False) for p in reached]
+    ends = {b for p, _ in pieces for b in p if b is not None}
+    for cuts in (ends | {b for p in pairs for b in p if b is not None}, ends):
+        bounds = [None, *sorted(cuts), None]
+        parts = list(zip(bounds, bounds[1:]))
+        out = [(a, b, None, u) for p, u in pieces for a, b in parts if _inside((a, b), p)]
+        if len(out) <= MAX_RANGES:
+            return out
+    return out
 
 
 def range_descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:

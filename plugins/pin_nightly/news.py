@@ -244,6 +244,9 @@ def sweep_spec(opts: dict[str, Any]) -> keyset.SweepSpec:
         dry_run=opts["dry_run"],
         resume_others=real,
         subsumes=opts["effective_scope"] == "DailyWindow",
+        # a new window starts with what an unfinished one left unreached (the newest posts
+        # are not left for the weekly FullSweep)
+        rotate=real,
         params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])},
     )
 

@@ -5,9 +5,13 @@
 -- The rows are deleted by their physical address (a TID scan), which the statement reads and
 -- uses under one snapshot: no primary-key lookup per row (ten times faster per batch). A row
 -- updated meanwhile by someone else has a new address and is left for the next night.
+-- through (a date, or NULL): only snapshots up to that night (past the run's deadline,
+-- retention still deletes the oldest night past the horizon, so the table never grows without
+-- bound on nights whose passes use the whole budget).
 DELETE FROM catalog.popularity_daily_views
  WHERE ctid = ANY (ARRAY(
        SELECT ctid FROM catalog.popularity_daily_views
         WHERE run_date < least(%(as_of)s::date, (now() AT TIME ZONE 'UTC')::date) - (%(keep_days)s + 2)
+          AND run_date <= coalesce(%(through)s::date, 'infinity'::date)
         ORDER BY run_date
         LIMIT %(limit)s))

@@ -91,21 +91,19 @@ UPDATE pin_nightly.sweep
  WHERE job = %(job)s AND scope = %(scope)s AND status = 'open' AND resumable
 RETURNING sweep_id, scope, run_id
 
--- name: sweep_resume_point
--- Where the family's previous sweep stopped, when it was abandoned unfinished (a newer date's
--- sweep superseded it after its budget ran out): the position of its first pending range in
--- range order (the order its ranges ran), the range's cursor or lower bound. No row when that
--- sweep finished, or stopped at the very start of the keyset.
-SELECT prev.sweep_id, r.position::text AS resume_after
+-- name: sweep_previous_ranges
+-- The ranges of the family's previous sweep, in the order they were queued, when it was
+-- abandoned unfinished (a newer date's sweep superseded it after its budget ran out, a failure,
+-- a graceful stop): what it left unreached goes first in the new sweep. No row when that sweep
+-- finished.
+SELECT prev.sweep_id, r.range_no, r.lower_id::text AS lower_id, r.upper_id::text AS upper_id,
+       r.cursor_id::text AS cursor_id, r.wrap_at::text AS wrap_at, r.wrapped, r.status
   FROM (SELECT sweep_id, status FROM pin_nightly.sweep
          WHERE job = %(job)s AND family = %(family)s AND resumable AND sweep_id < %(sweep_id)s
          ORDER BY sweep_id DESC LIMIT 1) prev
-  JOIN LATERAL (SELECT CASE WHEN r.wrapped THEN coalesce(r.cursor_id, r.lower_id)
-                            ELSE coalesce(r.cursor_id, r.wrap_at, r.lower_id) END AS position
-                  FROM pin_nightly.sweep_range r
-                 WHERE r.sweep_id = prev.sweep_id AND r.status = 'pending'
-                 ORDER BY r.range_no LIMIT 1) r ON true
- WHERE prev.status = 'abandoned' AND r.position IS NOT NULL
+  JOIN pin_nightly.sweep_range r ON r.sweep_id = prev.sweep_id
+ WHERE prev.status = 'abandoned'
+ ORDER BY r.range_no
 
 -- name: sweep_abandon_orphans
 -- A sweep that no other run may adopt (a targeted repair or a dry run) and that its own run left
