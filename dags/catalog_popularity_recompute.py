@@ -19,7 +19,8 @@ writes nothing; an Airflow backfill of a day before yesterday fails `validate_op
 writing (it would stamp today's counters on that day: tonight's run carries the growth).
 Clearing a failed `recompute_*` task resumes its range from its cursor; cleared after a newer
 night ran (or planned a pass), it writes nothing and says `superseded by the run ... of
-<date>`. A run with another `window_days` / `half_life_days` works passes of its own, never the nightly's.
+<date>`. A run with another `window_days` / `half_life_days` works passes of its own, never
+the nightly's.
 
 **When it fails**
 - `validate_options` failed: the message names the bad option; trigger again with a fixed conf.
