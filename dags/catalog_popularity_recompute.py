@@ -29,9 +29,11 @@ the nightly's.
 - a `recompute_*` range failed (database down, lease lost, a session timeout:
   README "Session bounds"): the batch in flight was rolled back
   and the passes after it wait; fix the cause and clear that task instance with its downstream
-  tasks (it resumes from its cursor), or let the next night recompute (a newer date supersedes
-  the unfinished pass). `status: success` means both passes completed and nothing is left;
-  `scores_as_of_date` is the newest date whose two passes completed.
+  tasks (it resumes from its cursor; cleared while its sibling ranges still run, its setup
+  re-joins the run's lease as it is: the siblings go on and the run's budget does not start
+  again), or let the next night recompute (a newer date supersedes the unfinished pass).
+  `status: success` means both passes completed and nothing is left; `scores_as_of_date` is
+  the newest date whose two passes completed.
 - `pausing: <signal>=<value> over <limit>` in a range's (or `retention`'s) log: the database
   was unhealthy and the batches waited (README "Pacing on the database's health"); a run whose
   budget ran out paused ends `backlog_remaining`, and the next run resumes.

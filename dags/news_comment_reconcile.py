@@ -23,7 +23,9 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   the acquisition) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
   nothing and succeeded. The lease expires by its TTL (`pin_nightly.job_lease` shows the holder).
 - a `reconcile_range` failed: read its log, fix the cause (database down, lease lost, a session
-  timeout: README "Session bounds"), then clear that task instance: it resumes from its cursor.
+  timeout: README "Session bounds"), then clear that task instance: it resumes from its cursor
+  (cleared while its sibling ranges still run, its setup re-joins the run's lease as it is:
+  the siblings go on and the run's budget does not start again).
   Cleared after a later run adopted its range, it writes nothing and says `superseded by the
   run ...` (green).
 - `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the

@@ -61,7 +61,10 @@ class LeaseHeld:
 
 
 def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minutes: float):
-    """Take the lease; return :class:`Lease`, or :class:`LeaseHeld` when someone else has it."""
+    """Take the lease; return :class:`Lease`, or :class:`LeaseHeld` when someone else has it.
+    A holder that still has it live (the setup task re-run when one range task of a run is
+    cleared while its siblings run) keeps it as it is: its token, so the siblings are not fenced
+    out, and its deadline, so the run's budget does not start again."""
     return _take(
         conn,
         {
@@ -69,7 +72,7 @@ def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minute
             "holder": holder,
             "ttl_minutes": ttl_minutes,
             "max_run_minutes": max_run_minutes,
-            "keep_live": False,
+            "keep_live": True,
         },
     )
 

@@ -3,10 +3,10 @@
 -- "-- name: <name>".
 
 -- name: lease_acquire
--- Take the lease when it is free, expired, or already this holder's. Every acquisition gets a
--- new fencing token, except a rejoin (keep_live): a task whose run already holds the lease again
--- (a sibling task rejoined first) keeps it as it is, token included, so that siblings working in
--- parallel are not fenced out. When another holder has an unexpired lease nothing changes and
+-- Take the lease when it is free, expired, or already this holder's. A new acquisition gets a
+-- new fencing token; with keep_live (every caller: the setup task and a range's rejoin), a holder
+-- whose lease is still live keeps it as it is, token and deadline included, so that siblings
+-- working in parallel are not fenced out and the run's budget does not start again. When another holder has an unexpired lease nothing changes and
 -- no row is returned. Minutes may be fractional (the params are numbers; make_interval(mins =>
 -- ...) takes integers only).
 INSERT INTO pin_nightly.job_lease AS l
