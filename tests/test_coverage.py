@@ -7,7 +7,7 @@ docs/design.md ("No starvation")."""
 from __future__ import annotations
 
 import functools
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from pin_nightly import keyset
 from tests.helpers import (
@@ -302,3 +302,27 @@ def test_an_unfinished_window_is_followed_by_one_that_starts_where_it_stopped(ne
         graceful_stop_after(mp, db, 3)
         assert_ok(run_dag(NEWS, conf, logical_date=night(d + timedelta(days=1))))
     assert all(db.count(p) == 1 for p in posts), "the newest six went first"
+
+
+def test_a_post_isolated_on_a_daily_window_night_is_taken_again_by_the_next_window(news_db):
+    """A domain trigger rejects a post's correction on a DailyWindow night (it is isolated and
+    recorded); the next night's DailyWindow takes it again although its comments are older
+    than the window (before, only the next FullSweep did, up to a week later)."""
+    db = news_db
+    now = datetime.now(UTC)
+    post = db.post(count=5, visible=2, comments_at=now)
+    other = db.post(count=1, visible=1, comments_at=now)
+    db.fail_updates_of(post, errcode="raise_exception")
+    conf = {"scope": "DailyWindow"}
+    d = db.today() - timedelta(days=1)
+    s = assert_ok(run_dag(NEWS, conf, logical_date=night(d)))
+    assert s["item_errors"] == 1 and db.count(post) == 5
+    db.allow_updates()
+    # a day later: the post's comments are older than the next window's lookback
+    db.q(
+        "UPDATE news.comments SET created_at = now() - interval '3 days', "
+        "updated_at = now() - interval '3 days'"
+    )
+    s = assert_ok(run_dag(NEWS, conf, logical_date=night(d + timedelta(days=1))))
+    assert db.count(post) == 2 and s["drift_corrected"] == 1, s
+    assert db.count(other) == 1

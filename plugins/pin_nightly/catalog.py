@@ -460,28 +460,10 @@ def recompute_range(
     range of a run that may write nothing any more (a newer date has a pass or snapshots: a
     late clear of an old night) writes nothing, as the run's planning does."""
     kind = rng.get("family", kind)
-    if lease_from_xcom(lease_data) is not None:
-        with connection(JOB.conn_id) as conn, transaction(conn) as cur:
-            why = _backfill_guard(cur, opts)
-        if why is not None:
-            log.warning(
-                "range %s: as_of_date %s: %s; nothing written",
-                rng["label"],
-                opts["as_of_date"],
-                why,
-            )
-            return {
-                **keyset.RangeResult(
-                    sweep_id=rng["sweep_id"],
-                    range_no=rng["range_no"],
-                    status="superseded",
-                    superseded_by=why,
-                ).__dict__,
-                "label": rng["label"],
-            }
     job = make_batch(kind, opts, rng["sweep_id"], run_id)
     span = {"pin.card_kind": kind}
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id, span)
+    guard = functools.partial(_backfill_guard, opts=opts)
+    return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id, span, guard=guard)
 
 
 def retention_days(opts: dict[str, Any]) -> int:

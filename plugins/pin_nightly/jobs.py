@@ -585,11 +585,13 @@ def run_range_task(
     work: keyset.SweepJob,
     run_id: str,
     span_attributes: dict[str, Any] | None = None,
+    guard: Callable[[Any], str | None] | None = None,
 ) -> dict[str, Any]:
     """Body of a mapped range task: work through the range (the job's ``work`` on its sweep),
     stop gracefully. A range that is no longer this run's (a later run adopted it, or its sweep
-    was abandoned for a newer date: the task was cleared late) writes nothing and ends green,
-    saying which run took over."""
+    was abandoned for a newer date: the task was cleared late), or for which the job's
+    ``guard(cur)`` says why the run may write nothing, writes nothing and ends green, saying
+    which run took over."""
     with (
         tracing.in_run((lease_data or {}).get("trace")),
         tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span,
@@ -600,6 +602,9 @@ def run_range_task(
         # one connection for the whole task: the check, the lease, every batch
         with connection(job.conn_id) as conn:
             why = keyset.superseded(keyset.get_range(conn, rng), taken.holder)
+            if why is None and guard is not None:
+                with transaction(conn) as cur:
+                    why = guard(cur)
             if why is None:
                 lease = leases.rejoin(conn, taken)
                 with keyset.StopSignal() as stop:

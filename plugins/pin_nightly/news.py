@@ -264,7 +264,10 @@ class Reconcile(keyset.SweepJob):
         scope, sweep_id = self.opts["effective_scope"], sweep["sweep_id"]
         if scope == "DailyWindow":
             cutoff = _window_cutoff(cur, self.opts)
-            cur.execute(sql("news/window_candidates"), {"sweep_id": sweep_id, "cutoff": cutoff})
+            cur.execute(
+                sql("news/window_candidates"),
+                {"sweep_id": sweep_id, "cutoff": cutoff, "job": JOB.code},
+            )
             log.info(
                 "DailyWindow: %d candidate posts with comment activity since %s",
                 cur.rowcount,

@@ -1,6 +1,9 @@
 -- DailyWindow candidates: posts with a comment created, hidden or deleted since the cutoff
 -- (a range scan of the recommended index on comments.updated_at; comments whose updated_at was
--- never set count by created_at), plus posts left locked by earlier runs.
+-- never set count by created_at), plus posts left locked by earlier runs and posts a batch
+-- could not write since the cutoff (pin_nightly.item_error: the next run takes them again,
+-- whatever its scope; the cutoff reaches back to the last completed sweep, so an error of the
+-- night before is always inside it).
 INSERT INTO pin_nightly.news_window_candidate (sweep_id, post_id)
 SELECT %(sweep_id)s, post_id
   FROM (SELECT c.post_id FROM news.comments c WHERE c.updated_at >= %(cutoff)s
@@ -8,5 +11,8 @@ SELECT %(sweep_id)s, post_id
         SELECT c.post_id FROM news.comments c
          WHERE c.updated_at IS NULL AND c.created_at >= %(cutoff)s
         UNION
-        SELECT s.post_id FROM pin_nightly.news_skipped_post s) AS changed
+        SELECT s.post_id FROM pin_nightly.news_skipped_post s
+        UNION
+        SELECT e.item_id FROM pin_nightly.item_error e
+         WHERE e.job = %(job)s AND e.recorded_at >= %(cutoff)s) AS changed
 ON CONFLICT DO NOTHING
