@@ -32,6 +32,8 @@ the nightly's.
   tasks (it resumes from its cursor; cleared while its sibling ranges still run, its setup
   re-joins the run's lease as it is: the siblings go on and the run's budget does not start
   again), or let the next night recompute (a newer date supersedes the unfinished pass).
+  Airflow 3.3.2 answers a clear made before the run's budget (the lease TTL) has passed
+  with HTTP 500: docs/design.md, Development notes.
   `status: success` means both passes completed and nothing is left; `scores_as_of_date` is
   the newest date whose two passes completed.
 - `pausing: <signal>=<value> over <limit>` in a range's (or `retention`'s) log: the database

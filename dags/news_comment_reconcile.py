@@ -26,6 +26,8 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   timeout: README "Session bounds"), then clear that task instance: it resumes from its cursor
   (cleared while its sibling ranges still run, its setup re-joins the run's lease as it is:
   the siblings go on and the run's budget does not start again).
+  Airflow 3.3.2 answers a clear made before the run's budget (the lease TTL) has passed
+  with HTTP 500: docs/design.md, Development notes.
   Cleared after a later run adopted its range, it writes nothing and says `superseded by the
   run ...` (green).
 - `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the
