@@ -2,28 +2,44 @@
 
 Hypothesis (``RuleBasedStateMachine``) draws sequences of operations, each one real: a DAG run
 through Airflow (``dag.test()``) on a real PostgreSQL, a clear of a failed run, traffic on the
-domain tables. After every step the invariants are checked on the database, never on the
-runs' counters. The rules and invariants are described in docs/reliability.md ("The model").
+domain tables (between runs and during a run's batches), a domain trigger rejecting rows, a
+run's budget cut short. After every step the invariants are checked on the database, never on
+the runs' counters. The rules and invariants are described in docs/reliability.md ("The
+model").
 
-Profiles: ``make test`` runs a bounded, derandomized one (the same sequences every time);
-``make soak`` runs the long one (``SOAK_EXAMPLES`` sequences, random, ``SOAK_STEPS`` steps
-each). A counterexample Hypothesis prints becomes a plain regression test
-(tests/test_sequences.py).
+Profiles: ``make test`` runs the bounded one: the covering sequences below
+(:data:`NEWS_SEQUENCES`, :data:`CATALOG_SEQUENCES`), driven through the same machine, the same
+every time; every value of every rule's parameters occurs at least once per job, every green
+run that is checked had something to find (drift, view growth), and the test ends by asserting
+what it covered. ``make soak`` runs the long one: random sequences drawn by Hypothesis
+(``SOAK_EXAMPLES`` of ``SOAK_STEPS`` steps), stopping after ``SOAK_MINUTES`` and ending with a
+summary of what ran; a failure is shrunk and printed with a blob that reproduces it. A
+counterexample becomes a plain regression test (tests/test_sequences.py).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import json
+import math
 import os
-from collections import defaultdict
-from datetime import timedelta
+import sys
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from datetime import datetime, timedelta
 from decimal import Decimal
 
+import jsonschema
+import psycopg
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.helpers import failed_tasks, inject, night, reference_popularity_score
+from tests.helpers import failed_tasks, inject, new_id, night, reference_popularity_score
 from tools.devenv import run_sql_file
 from tools.rundag import clear_and_resume, run_dag
 
@@ -32,29 +48,33 @@ CATALOG = "catalog_popularity_recompute"
 H = 7
 HORIZON = 32  # retention keeps max(window, 30) + 2 days
 
-PROFILES = {
-    # the same sequences every time; a failure is reported as found (shrinking it would re-run
-    # DAGs for many minutes: reproduce it with the soak profile, which shrinks)
-    "make-test": settings(
-        max_examples=int(os.environ.get("MODEL_EXAMPLES", "3")),
-        stateful_step_count=int(os.environ.get("MODEL_STEPS", "8")),
-        derandomize=True,
-        phases=[Phase.explicit, Phase.generate],
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    ),
-    "soak": settings(
-        max_examples=int(os.environ.get("SOAK_EXAMPLES", "100")),
-        stateful_step_count=int(os.environ.get("SOAK_STEPS", "20")),
-        derandomize=False,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        print_blob=True,
-    ),
-}
-PROFILE = PROFILES[os.environ.get("PIN_MODEL_PROFILE", "make-test")]
+# Behaviour the model checks once the job has it (each flag flips when its change is in):
+# - the pass of the family a night left behind goes first the next night (no family starves
+#   while every night is cut)
+PROJECTS_NEVER_STARVE = False
+# - retention deletes at least the oldest night past the horizon when the budget is used up
+RETENTION_UNDER_CUT = False
+# - a late-cleared range task of date D writes nothing when a newer date has a snapshot
+LATE_RANGE_GUARD = False
+# - a popularity backfill run of a date before yesterday fails validate_options; a news
+#   backfill run does nothing and ends green
+BACKFILL_REFUSED = False
+# - an unfinished DailyWindow's successor starts where it stopped
+WINDOW_RESUMES = False
+
+CUT_BATCHES = 2  # a cut night stops gracefully after this many batches that read rows
+HOLD_AFTER_S = 0.4  # a held hot-path transaction commits this long after the batch it blocked
+
+PROFILE_NAME = os.environ.get("PIN_MODEL_PROFILE", "make-test")
+SOAK = settings(
+    max_examples=1,  # per call: the soak calls again until its examples or minutes are used
+    stateful_step_count=int(os.environ.get("SOAK_STEPS", "20")),
+    derandomize=False,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 
 # where a run may fail: (function wrapped, how it fails, card kind) -- see helpers.inject
 FAULTS = {
@@ -72,53 +92,199 @@ FAULTS = {
         "summarize_before": ("pin_nightly.news.summarize", "before", None),
     },
 }
-faults = lambda job: st.one_of(  # noqa: E731 - most runs do not fail
-    st.just(None), st.just(None), st.sampled_from(sorted(FAULTS[job]))
-)
 CLEARS = ["failed_tasks", "only_failed", "whole_run"]
+CUTS = [None, "graceful", "budget"]  # graceful: run_deadline_at moved to now() mid-run
+TRAFFIC = [None, "commit", "hold"]  # hot path during the run's first batch
+POISON = ["one", "all", "none"]  # a domain trigger rejecting one row, every row, none
+
+# Every rule's parameters and all their values: the soak draws from them, the bounded profile
+# covers each value at least once (and says so at the end).
+DOMAINS = {
+    "news": {
+        "hot_path": {"post": list(range(8)), "op": ["add", "hide", "lost", "corrupt"]},
+        "scheduled_night": {
+            "cut": CUTS,
+            "ranges": [1, 2, 3],
+            "traffic": TRAFFIC,
+        },
+        "manual_run": {
+            "what": [
+                "FullSweep",
+                "DailyWindow",
+                "targeted",
+                "targeted_missing",
+                "dry_run",
+                "out_of_time",
+            ],
+            "when": ["now", "past", "future"],
+            "traffic": TRAFFIC,
+        },
+        "a_failure_ahead": {"fault": list(FAULTS["news"])},
+        "clear_a_failed_run": {"how": CLEARS, "late": [False, True]},
+        "poison": {"rows": POISON},
+    },
+    "catalog": {
+        "views_grow": {"cards": ["all", "property", "project", "one"], "amount": [0, 5, 40]},
+        "scheduled_night": {
+            "gap": [1, 2, 12, 20],
+            "cut": CUTS,
+            "ranges": [1, 2, 3],
+            "traffic": TRAFFIC,
+        },
+        "manual_run": {
+            "when": ["today", "last_night", "past", "future"],
+            "extra": ["plain", "dry_run", "targeted", "targeted_missing", "window", "half_life"],
+            "traffic": TRAFFIC,
+        },
+        "a_failure_ahead": {"fault": list(FAULTS["catalog"])},
+        "clear_a_failed_run": {"how": CLEARS, "late": [False, True]},
+        "poison": {"rows": POISON},
+    },
+}
+if BACKFILL_REFUSED:
+    DOMAINS["news"]["backfill_run"] = {"age": [1, 5]}
+    DOMAINS["catalog"]["backfill_run"] = {"age": [1, 5]}
+
+
+def values(job: str, rule_name: str, param: str):
+    return st.sampled_from(DOMAINS[job][rule_name][param])
+
+
+def domain(job: str) -> set[tuple]:
+    return {(r, p, v) for r, params in DOMAINS[job].items() for p, vs in params.items() for v in vs}
+
+
+_sleep = time.sleep
+_validate = jsonschema.validate
+_DAG_TEST = os.path.join("sdk", "definitions", "dag.py")
+
+
+def _quick_poll(seconds: float) -> None:
+    """``dag.test()`` polls its run once a second while tasks wait for the state of their
+    upstream tasks (a failed run's downstream); a twentieth of that is enough here."""
+    quick = seconds == 1 and sys._getframe(1).f_code.co_filename.endswith(_DAG_TEST)
+    _sleep(0.05 if quick else seconds)
+
+
+_checked_schemas: set[str] = set()
+
+
+def _validate_checked_once(instance, schema, cls=None, *args, **kwargs) -> None:
+    """``jsonschema.validate`` that checks each schema itself once, not at every call (Airflow
+    resolves every param of the DAG, schema check included, in every task: a quarter of a
+    run's time here); the value is validated every time, as before."""
+    import jsonschema
+
+    key = json.dumps(schema, sort_keys=True, default=str)
+    if key not in _checked_schemas:
+        _validate(instance, schema, cls, *args, **kwargs)
+        _checked_schemas.add(key)
+        return
+    validator = (cls or jsonschema.validators.validator_for(schema))(schema, *args, **kwargs)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    if error is not None:
+        raise error
+
+
+# what every machine of this session did, by job: the soak's summary
+SESSION: dict[str, Counter] = defaultdict(Counter)
+
+HOT_PATH = "SET pin_test.hot_path = 'on'"  # the poison triggers let the hot path's writes by
 
 
 class Model(RuleBasedStateMachine):
-    """What both jobs' models share: running a DAG with a fault, clearing a failed run, and the
-    invariants on every run's outcome."""
+    """What both jobs' models share: running a DAG with a fault, a cut budget and traffic
+    during its batches, clearing a failed run, poison rows, and the invariants on every run's
+    outcome."""
 
     dag_id = ""
     job = ""
+    table = ""  # the domain table the poison trigger is on (catalog: both card tables)
     conf: dict = {}
 
     def __init__(self, db):
         super().__init__()
         self.db = db
+        db.q(HOT_PATH)
         self.today = db.today()
-        self.night = self.today - timedelta(days=12)  # the last scheduled night
         self.failed: list[dict] = []  # failed runs a data team may clear, oldest first
         self.last: dict | None = None
+        self.covered: set[tuple] = set()
+        self.checked: list[tuple] = []  # (what was checked, whether it had something to find)
+        self.poisoned: set[str] | None = set()  # None: every row
+        self.newest_night = None  # the newest date a run was about
+        self.fault_ahead: str | None = None  # where the next run fails
 
-    def run(self, conf: dict, logical, day, fault: str | None, again_of: dict | None = None):
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def cover(self, rule_name: str, **params) -> None:
+        for p, v in params.items():
+            self.covered.add((rule_name, p, v))
+        SESSION[self.job][rule_name] += 1
+
+    def checked_run(self, what: str, found: bool) -> None:
+        self.checked.append((what, found))
+
+    # --- running -------------------------------------------------------------------------
+
+    def run(
+        self,
+        conf: dict,
+        logical,
+        day,
+        fault: str | None,
+        again_of: dict | None = None,
+        cut: str | None = None,
+        traffic: str | None = None,
+        run_id: str | None = None,
+    ):
         """Run the DAG (``logical``: its logical date, None for a manual run without one; ``day``
-        the date it is about), with ``fault`` injected; or clear ``again_of``, a failed run."""
+        the date it is about), with ``fault`` injected, its budget cut (``cut``) and hot-path
+        traffic during its first batch (``traffic``); or clear ``again_of``, a failed run."""
+        first_at = again_of["first_at"] if again_of else self.db.one("SELECT clock_timestamp()")
+        # what the run had to find when it was first attempted
+        before = again_of["before"] if again_of else self.before_state(conf, day)
+        if cut == "budget":
+            conf = {**conf, "max_run_duration_minutes": 0.0001}
         with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(time, "sleep", _quick_poll)
+            mp.setattr(jsonschema, "validate", _validate_checked_once)
             if fault is not None:
                 inject(mp, *FAULTS[self.job][fault])
-            if again_of is None:
-                r = run_dag(self.dag_id, conf, logical_date=logical)
-            elif again_of["how"] == "whole_run":  # the same run (id, dates) from the start
-                r = run_dag(
-                    self.dag_id,
-                    conf,
-                    logical_date=again_of["logical_date"],
-                    run_after=again_of["run_after"],
-                )
-                assert r["run_id"] == again_of["run_id"], (r["run_id"], again_of["run_id"])
-            else:
-                by_task = again_of["how"] == "failed_tasks"
-                r = clear_and_resume(
-                    self.dag_id,
-                    again_of["run_id"],
-                    task_ids=failed_tasks(again_of) if by_task else None,
-                    only_failed=not by_task,
-                )
-        r.update(conf=conf, logical=logical, day=day, fault=fault)
+            held = self.traffic_during(mp, traffic, day) if traffic else None
+            if cut == "graceful":
+                self.graceful_stop(mp)
+            try:
+                if again_of is None:
+                    r = run_dag(self.dag_id, conf, logical_date=logical, run_id=run_id)
+                elif again_of["how"] == "whole_run":  # the same run (id, dates) from the start
+                    r = run_dag(
+                        self.dag_id,
+                        conf,
+                        logical_date=again_of["logical_date"],
+                        run_after=again_of["run_after"],
+                    )
+                    assert r["run_id"] == again_of["run_id"], (r["run_id"], again_of["run_id"])
+                else:
+                    by_task = again_of["how"] == "failed_tasks"
+                    r = clear_and_resume(
+                        self.dag_id,
+                        again_of["run_id"],
+                        task_ids=failed_tasks(again_of) if by_task else None,
+                        only_failed=not by_task,
+                    )
+            finally:
+                if held is not None and held["timer"] is not None:
+                    held["timer"].join()
+        if held is not None:
+            assert held["error"] is None, (
+                "the hot path's transaction held across a batch was cut off (the job waited "
+                f"for its row lock instead of skipping it): {held['error']}"
+            )
+        r.update(conf=conf, logical=logical, day=day, fault=fault, first_at=first_at)
+        r.update(before=before, cut=cut, poisoned=self.poison_union(again_of))
+        if fault is None and self.expect_green(r):
+            assert r["state"] == "success", ("a run without a fault failed", r["tasks"])
         # dag.test() replaces a run of the same logical date
         self.failed = [
             f
@@ -130,13 +296,112 @@ class Model(RuleBasedStateMachine):
         self.last = r
         return r
 
+    def expect_green(self, r: dict) -> bool:
+        return True
+
+    def graceful_stop(self, mp) -> None:
+        """The documented graceful stop: after :data:`CUT_BATCHES` batches that read rows, the
+        run's deadline is moved to now() (in that batch's transaction, which holds the lease row
+        FOR SHARE)."""
+        module = importlib.import_module(f"pin_nightly.{self.job}")
+        real = module.make_batch
+        seen = [0]
+
+        @functools.wraps(real)
+        def make_batch(*args, **kwargs):
+            job = real(*args, **kwargs)
+            batch = job.batch
+
+            def cut(cur, *a):
+                out = batch(cur, *a)
+                if out.last_id is not None:
+                    seen[0] += 1
+                    if seen[0] == CUT_BATCHES:
+                        cur.execute(
+                            "UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp()"
+                        )
+                return out
+
+            job.batch = cut
+            return job
+
+        mp.setattr(module, "make_batch", make_batch)
+
+    def traffic_during(self, mp, mode: str, day) -> dict:
+        """Hot-path traffic during the run's first batch that reads a row: ``commit`` commits a
+        hot-path transaction on another session as the batch starts; ``hold`` opens one on the
+        batch's next row, holding its row lock across the batch, and commits it
+        :data:`HOLD_AFTER_S` after the batch (the end-of-range retry waits for it)."""
+        module = importlib.import_module(f"pin_nightly.{self.job}")
+        real = module.make_batch
+        state = {"done": False, "timer": None, "error": None}
+        model = self
+
+        @functools.wraps(real)
+        def make_batch(*args, **kwargs):
+            job = real(*args, **kwargs)
+            batch = job.batch
+
+            def with_traffic(cur, after_id, upper_id, limit):
+                target = None if state["done"] else model.traffic_target(job, after_id, upper_id)
+                if target is None:
+                    return batch(cur, after_id, upper_id, limit)
+                state["done"] = True
+                conn = psycopg.connect(model.db.dsn, autocommit=True)
+                conn.execute(HOT_PATH)
+                # a bound on the model itself: a job that waits for this lock frees it
+                conn.execute("SET idle_in_transaction_session_timeout = '3s'")
+                if mode == "commit":
+                    with conn, conn.transaction():
+                        model.hot_write(conn, target, day)
+                    return batch(cur, after_id, upper_id, limit)
+                tx = conn.transaction()
+                tx.__enter__()
+                model.hot_write(conn, target, day, commit=False)
+
+                def commit():
+                    try:
+                        tx.__exit__(None, None, None)
+                        model.hot_committed(target, day)
+                    except Exception as exc:  # noqa: BLE001 - reported by run()
+                        state["error"] = repr(exc)
+                    finally:
+                        conn.close()
+
+                try:
+                    out = batch(cur, after_id, upper_id, limit)
+                finally:
+                    state["timer"] = threading.Timer(HOLD_AFTER_S, commit)
+                    state["timer"].start()
+                return out
+
+            job.batch = with_traffic
+            return job
+
+        mp.setattr(module, "make_batch", make_batch)
+        return state
+
+    def traffic_target(self, job, after_id, upper_id) -> str | None:
+        raise NotImplementedError
+
+    def hot_write(self, conn, target: str, day, commit: bool = True) -> None:
+        raise NotImplementedError
+
+    def hot_committed(self, target: str, day) -> None:
+        """A held hot-path transaction committed (hook)."""
+
+    # --- rules ---------------------------------------------------------------------------
+
     @precondition(lambda self: self.failed)
     @rule(which=st.integers(min_value=0), how=st.sampled_from(CLEARS))
     def clear_a_failed_run(self, which, how):
-        """Clear an earlier failed run, however many runs came since: its failed task instances
-        (with downstream, and their setup), the run's failed tasks ("only failed"), or the
-        whole run."""
+        """Clear an earlier failed run, however many runs came since (late: a newer date has
+        been run since): its failed task instances (with downstream, and their setup), the
+        run's failed tasks ("only failed"), or the whole run."""
         failed = self.failed[which % len(self.failed)]
+        day = failed["day"].date() if isinstance(failed["day"], datetime) else failed["day"]
+        late = bool(self.newest_night and day and day < self.newest_night)
+        self.cover("clear_a_failed_run", how=how, late=late)
         self.before_run(failed["day"])
         self.after_run(
             self.run(
@@ -148,11 +413,77 @@ class Model(RuleBasedStateMachine):
             )
         )
 
+    def arm(self, fault: str) -> None:
+        """The next run (scheduled or manual) fails once at ``fault`` (see :data:`FAULTS`)."""
+        self.cover("a_failure_ahead", fault=fault)
+        self.fault_ahead = fault
+
+    def armed(self) -> str | None:
+        fault, self.fault_ahead = self.fault_ahead, None
+        return fault
+
+    @rule(rows=st.sampled_from(POISON))
+    def poison(self, rows):
+        """A domain trigger rejects the job's updates (SQLSTATE P0001, an item error) of one row
+        of the domain table, or of every row; or no trigger any more."""
+        self.cover("poison", rows=rows)
+        for table in self.tables():
+            self.db.q(f"DROP TRIGGER IF EXISTS pin_test_poison ON {table}")
+        if rows == "none":
+            self.poisoned = set()
+            return
+        target = self.poison_target()
+        cond = "true" if rows == "all" else f"NEW.id = '{target}'::uuid"
+        self.db.q(
+            "CREATE OR REPLACE FUNCTION public.pin_test_poison() RETURNS trigger LANGUAGE plpgsql "
+            "AS $$ BEGIN IF current_setting('pin_test.hot_path', true) IS DISTINCT FROM 'on' "
+            f"AND {cond} THEN RAISE EXCEPTION 'rejected (simulated)' USING ERRCODE = "
+            "'raise_exception'; END IF; RETURN NEW; END $$"
+        )
+        for table in self.tables():
+            self.db.q(
+                f"CREATE TRIGGER pin_test_poison BEFORE UPDATE ON {table} FOR EACH ROW "
+                "EXECUTE FUNCTION public.pin_test_poison()"
+            )
+        self.poisoned = None if rows == "all" else {target}
+
+    def tables(self) -> list[str]:
+        return [self.table]
+
+    def poison_target(self) -> str:
+        raise NotImplementedError
+
+    def poison_union(self, again_of: dict | None) -> set[str] | None:
+        """The rows the trigger rejected during any attempt of a run (None: every row)."""
+        earlier = again_of["poisoned"] if again_of else set()
+        if earlier is None or self.poisoned is None:
+            return None
+        return earlier | self.poisoned
+
+    def is_poisoned(self, row_id: str, r: dict | None = None) -> bool:
+        poisoned = self.poisoned if r is None else r["poisoned"]
+        return poisoned is None or row_id in poisoned
+
+    def item_error(self, row_id: str, run_id: str) -> bool:
+        return bool(
+            self.db.q(
+                "SELECT 1 FROM pin_nightly.item_error WHERE item_id = %s AND run_id = %s",
+                row_id,
+                run_id,
+            )
+        )
+
+    def before_state(self, conf: dict, day) -> dict:
+        """What the model records before a run (hook)."""
+        return {}
+
     def before_run(self, day) -> None:
         """Record what the model needs to know before a run (hook)."""
 
     def after_run(self, r: dict) -> None:
         """Check what a run must have done and update the model (hook)."""
+
+    # --- invariants ----------------------------------------------------------------------
 
     @invariant()
     def the_lease_is_free_between_runs(self):
@@ -179,9 +510,11 @@ class Model(RuleBasedStateMachine):
 
 
 class CatalogModel(Model):
-    """Six cards of each kind whose counters grow between nights; scheduled nights (some
-    missed), manual runs (today, a past date, a future date, dry, targeted, another window),
-    failures at any point, late clears of any failed run."""
+    """Six cards of each kind whose counters grow between nights (and during runs); scheduled
+    nights from 45 days back (some missed, some far apart: retention deletes), with one to three
+    ranges, cut budgets, traffic; manual runs (today, the last night's date, a past date, a
+    future date; dry, targeted, targeted at a card that does not exist, another window or
+    half-life); failures at any point, late clears of any failed run; poison cards."""
 
     dag_id = CATALOG
     job = "catalog"
@@ -189,15 +522,30 @@ class CatalogModel(Model):
 
     def __init__(self, db):
         super().__init__(db)
+        self.night = self.today - timedelta(days=46)  # the last scheduled night
         self.cards = {
-            db.card(views=10 * i, kind=kind): kind
+            db.card(views=10 * i + 5, kind=kind): kind
             for i in range(6)
             for kind in ("PropertyObject", "Project")
         }
         # date -> card -> the counter values a run dated that day could have stamped: those of
         # the runs of that date while no newer date had been written
         self.seen: dict = defaultdict(lambda: defaultdict(set))
-        self.complete: set = set()  # dates whose nightly passes all ended in a green success
+        # a night before the first: every card's first night has a delta to score
+        for cid, v in self.views().items():
+            db.seed_snapshot(cid, self.night, v - 5, self.cards[cid])
+            self.seen[self.night][cid].add(v - 5)
+        self.hot_views: dict = {}
+        # dates whose nightly passes all ended in a green success -> the cards they wrote
+        self.complete: dict = {}
+        self.cycle: set = set()  # cards cut nights reached since all were last reached
+        self.stamp_ok = False  # the run in progress may stamp its date (no newer date written)
+
+    def tables(self) -> list[str]:
+        return list(self.db.TABLES.values())
+
+    def poison_target(self) -> str:
+        return sorted(self.cards)[4]
 
     def views(self) -> dict:
         return dict(
@@ -207,77 +555,248 @@ class CatalogModel(Model):
             )
         )
 
-    def before_run(self, d) -> None:
-        newest = self.db.one(
+    def newest_date(self):
+        return self.db.one(
             "SELECT greatest((SELECT max(run_date) FROM catalog.popularity_daily_views), "
             "(SELECT max((params ->> 'as_of_date')::date) FROM pin_nightly.sweep WHERE resumable))"
         )
-        if newest is None or newest <= d:
+
+    def before_run(self, d) -> None:
+        newest = self.newest_date()
+        newest_snapshot = self.db.one("SELECT max(run_date) FROM catalog.popularity_daily_views")
+        self.stamp_ok = newest is None or newest <= d
+        if not LATE_RANGE_GUARD and (newest_snapshot is None or newest_snapshot <= d):
+            # a range task of an open sweep of d (a newer date has only a targeted run's
+            # snapshots) still writes: excused until the range checks the dates too
+            self.stamp_ok = self.stamp_ok or bool(
+                self.db.q(
+                    "SELECT 1 FROM pin_nightly.sweep WHERE status = 'open' AND resumable "
+                    "AND (params ->> 'as_of_date')::date = %s",
+                    d,
+                )
+            )
+        if self.stamp_ok:
             for cid, v in self.views().items():
                 self.seen[d][cid].add(v)
 
-    def catalog_run(self, conf: dict, logical, fault) -> dict:
+    def before_state(self, conf: dict, day) -> dict:
+        """The cards whose counter grew since their newest snapshot before ``day`` (what a
+        checked run has to find), and the oldest night past the horizon."""
+        grown = {
+            cid
+            for cid, v, prev in self.db.q(
+                "SELECT c.id::text, c.popularity_views, (SELECT s.cumulative_views FROM "
+                "catalog.popularity_daily_views s WHERE s.card_id = c.id AND s.run_date < %s "
+                "ORDER BY s.run_date DESC LIMIT 1) FROM (SELECT id, popularity_views FROM "
+                "catalog.property_object_cards UNION ALL SELECT id, popularity_views FROM "
+                "catalog.project_cards) c",
+                day,
+            )
+            if prev is not None and v is not None and v > prev
+        }
+        oldest = self.db.one("SELECT min(run_date) FROM catalog.popularity_daily_views")
+        return {"grown": grown, "oldest": oldest}
+
+    def expect_green(self, r: dict) -> bool:
+        return r["day"] <= self.today and not r.get("backfill")
+
+    def catalog_run(self, conf: dict, logical, fault, cut=None, traffic=None, run_id=None):
         d = (logical or night(self.today)).date()
         self.before_run(d)
-        r = self.run({**self.conf, **conf}, logical, d, fault)
-        self.after_run(r)
+        r = self.run({**self.conf, **conf}, logical, d, fault, cut=cut, traffic=traffic)
+        if run_id is None:
+            self.after_run(r)
         return r
 
     def after_run(self, r: dict) -> None:
         s, conf = r["summary"] or {}, r["conf"]
+        if r["state"] == "success" and r["cut"] == "graceful" and r["fault"] is None:
+            self.check_cut_night(r)
+        if r["state"] == "success" and r["cut"] and RETENTION_UNDER_CUT:
+            self.check_retention_under_cut(r)
         if r["state"] != "success" or s.get("status") != "success" or conf.get("dry_run"):
             return
-        if not conf.get("card_ids"):
-            self.check_scores(r["day"], conf.get("window_days", 30))
-            if "window_days" not in conf:
-                self.complete.add(r["day"])
+        if conf.get("card_ids"):
+            targeted = [c for c in conf["card_ids"] if c in self.cards]
+            self.checked_run("targeted", bool(set(targeted) & r["before"]["grown"]))
+            self.check_scores(r, targeted, 30)
+            for cid in conf["card_ids"]:
+                if cid not in self.cards:  # a card that does not exist: nothing of it anywhere
+                    assert not self.db.snapshots(cid) and not self.item_error(cid, r["run_id"])
+            return
+        window = conf.get("window_days", 30)
+        self.checked_run(f"as of {r['day']} window {window}", bool(r["before"]["grown"]))
+        written = self.check_scores(r, list(self.cards), window, conf.get("half_life_days", H))
+        if "window_days" not in conf and "half_life_days" not in conf:
+            self.complete[r["day"]] = written
+        self.cycle = set()
+        # retention: nothing older than the horizon is kept
+        keep = max(window, 30) + 2
+        oldest = self.db.one("SELECT min(run_date) FROM catalog.popularity_daily_views")
+        assert oldest is None or oldest >= r["day"] - timedelta(days=keep), (oldest, r["day"])
 
-    def check_scores(self, d, window: int) -> None:
-        for cid, kind in self.cards.items():
+    def check_scores(self, r: dict, cards, window: int, h: float = H) -> set[str]:
+        """Every card's score is the formula over its stored snapshots; returns the cards
+        written (all but those the poison trigger rejected)."""
+        d, written = r["day"], set()
+        for cid in cards:
+            kind = self.cards[cid]
             snaps = dict(self.db.snapshots(cid))
-            assert d in snaps, (cid, d)
-            assert self.db.score(cid, kind) == reference_popularity_score(snaps, d, window, H), (
-                cid,
-                d,
-                window,
+            exact = d in snaps and self.db.score(cid, kind) == reference_popularity_score(
+                snaps, d, window, h
             )
+            if self.is_poisoned(cid, r) and not exact:
+                # a card the trigger rejects: isolated and recorded as an item error
+                assert self.item_error(cid, r["run_id"]), (cid, d)
+                continue
+            assert exact, (cid, d, window, h, sorted(snaps.items()), self.db.score(cid, kind))
+            written.add(cid)
+        return written
 
-    @rule(card=st.integers(0, 11), amount=st.integers(0, 40))
-    def views_grow(self, card, amount):
-        cid = sorted(self.cards)[card]
-        table = self.db.TABLES[self.cards[cid]]
-        self.db.q(
-            f"UPDATE {table} SET popularity_views = popularity_views + %s WHERE id = %s",
-            amount,
-            cid,
+    def considered(self) -> set[str]:
+        """The cards a cut night must make progress on: both kinds once no family starves,
+        else the first pass's; never a poisoned card."""
+        if self.poisoned is None:
+            return set()
+        kinds = {"PropertyObject", "Project"} if PROJECTS_NEVER_STARVE else {"PropertyObject"}
+        return {c for c, k in self.cards.items() if k in kinds and c not in self.poisoned}
+
+    def check_cut_night(self, r: dict) -> None:
+        """A night cut after a few batches reaches at least one card that the cut nights since
+        every card was last reached did not: every card gets its snapshot within about
+        ceil(cards / cards per night) + 1 nights, even while every night is cut."""
+        s = r["summary"] or {}
+        if not s.get("status", "").startswith(("success", "backlog_remaining")):
+            return
+        todo = self.considered()
+        reached = {c for c in todo if r["day"] in dict(self.db.snapshots(c))}
+        if todo and not todo <= self.cycle:
+            assert reached - self.cycle, (
+                "a cut night reached no card that the cut nights before it had not",
+                r["day"],
+                sorted(sorted(todo).index(c) for c in reached),
+                sorted(sorted(todo).index(c) for c in self.cycle),
+            )
+        self.cycle |= reached
+        if todo <= self.cycle:
+            self.cycle = set()
+
+    def check_retention_under_cut(self, r: dict) -> None:
+        oldest = r["before"]["oldest"]
+        s = r["summary"] or {}
+        if oldest is None or s.get("status", "").startswith("nothing written"):
+            return
+        if r["conf"].get("dry_run") or r["conf"].get("card_ids"):
+            return
+        if oldest < r["day"] - timedelta(days=HORIZON):
+            assert not self.db.q(
+                "SELECT 1 FROM catalog.popularity_daily_views WHERE run_date = %s", oldest
+            ), ("retention kept the oldest night past the horizon under a cut budget", oldest)
+
+    def traffic_target(self, job, after_id, upper_id) -> str | None:
+        table = self.db.TABLES[job.kind]
+        rows = self.db.q(
+            f"SELECT id::text FROM {table} WHERE (%s::uuid IS NULL OR id > %s::uuid) "
+            "AND (%s::uuid IS NULL OR id <= %s::uuid) ORDER BY id LIMIT 1",
+            after_id,
+            after_id,
+            upper_id,
+            upper_id,
         )
+        return rows[0][0] if rows else None
 
-    @precondition(lambda self: self.night < self.today)
-    @rule(gap=st.sampled_from([1, 1, 1, 2]), fault=faults("catalog"))
-    def scheduled_night(self, gap, fault):
-        self.night = min(self.night + timedelta(days=gap), self.today)
-        self.catalog_run({}, night(self.night), fault)
+    def hot_write(self, conn, target: str, day, commit: bool = True) -> None:
+        table = self.db.TABLES[self.cards[target]]
+        (self.hot_views[target],) = conn.execute(
+            f"UPDATE {table} SET popularity_views = popularity_views + 3 WHERE id = %s "
+            "RETURNING popularity_views",
+            (target,),
+        ).fetchone()
+        if commit:
+            self.hot_committed(target, day)
+
+    def hot_committed(self, target: str, day) -> None:
+        if self.stamp_ok:
+            self.seen[day][target].add(self.hot_views[target])
 
     @rule(
-        when=st.sampled_from(["today", "past", "future"]),
-        extra=st.sampled_from(["plain", "dry_run", "targeted", "window"]),
-        fault=faults("catalog"),
+        cards=values("catalog", "views_grow", "cards"),
+        amount=values("catalog", "views_grow", "amount"),
     )
-    def manual_run(self, when, extra, fault):
+    def views_grow(self, cards, amount):
+        self.cover("views_grow", cards=cards, amount=amount)
+        for kind, table in self.db.TABLES.items():
+            if cards in ("all", {"PropertyObject": "property", "Project": "project"}[kind]):
+                self.db.q(f"UPDATE {table} SET popularity_views = popularity_views + %s", amount)
+        if cards == "one":
+            cid = sorted(self.cards)[3]
+            table = self.db.TABLES[self.cards[cid]]
+            self.db.q(
+                f"UPDATE {table} SET popularity_views = popularity_views + %s WHERE id = %s",
+                amount,
+                cid,
+            )
+
+    @precondition(lambda self: self.night < self.today)
+    @rule(
+        gap=values("catalog", "scheduled_night", "gap"),
+        cut=values("catalog", "scheduled_night", "cut"),
+        ranges=values("catalog", "scheduled_night", "ranges"),
+        traffic=values("catalog", "scheduled_night", "traffic"),
+    )
+    def scheduled_night(self, gap, cut=None, ranges=2, traffic=None):
+        self.cover("scheduled_night", gap=gap, cut=cut, ranges=ranges, traffic=traffic)
+        self.night = min(self.night + timedelta(days=gap), self.today)
+        self.newest_night = max(filter(None, [self.newest_night, self.night]))
+        self.catalog_run({"max_ranges": ranges}, night(self.night), self.armed(), cut, traffic)
+
+    @rule(
+        when=values("catalog", "manual_run", "when"),
+        extra=values("catalog", "manual_run", "extra"),
+        traffic=values("catalog", "manual_run", "traffic"),
+    )
+    def manual_run(self, when, extra, traffic=None):
+        self.cover("manual_run", when=when, extra=extra, traffic=traffic)
         conf = {
             "plain": {},
             "dry_run": {"dry_run": True},
             "targeted": {"card_ids": sorted(self.cards)[:3]},
+            "targeted_missing": {"card_ids": [sorted(self.cards)[5], new_id()]},
             "window": {"window_days": 10},
+            "half_life": {"half_life_days": 3},
         }[extra]
         logical = {
             "today": None,
+            # the last night's date, another logical date (its run stays clearable)
+            "last_night": night(self.night) + timedelta(hours=1),
             "past": night(self.night - timedelta(days=3)),
             "future": night(self.today + timedelta(days=5)),
         }[when]
-        r = self.catalog_run(conf, logical, fault)
+        d = (logical or night(self.today)).date()
+        if d <= self.today:
+            self.newest_night = max(filter(None, [self.newest_night, d]))
+        r = self.catalog_run(conf, logical, self.armed(), traffic=traffic)
         if when == "future":
             assert r["state"] == "failed" and r["tasks"]["validate_options"] == "failed", r
+
+    if BACKFILL_REFUSED:
+
+        @rule(age=values("catalog", "backfill_run", "age"))
+        def backfill_run(self, age):
+            """An Airflow backfill of a date ``age`` days back: before yesterday it is refused
+            before any write (tonight's run carries the growth)."""
+            self.cover("backfill_run", age=age)
+            d = self.today - timedelta(days=age)
+            before = self.db.q("SELECT * FROM catalog.popularity_daily_views ORDER BY id")
+            r = self.catalog_run({}, night(d), None, run_id=f"backfill__{night(d).isoformat()}")
+            if age > 1:
+                assert r["tasks"]["validate_options"] == "failed", r["tasks"]
+                after = self.db.q("SELECT * FROM catalog.popularity_daily_views ORDER BY id")
+                assert after == before
+
+    @rule(fault=values("catalog", "a_failure_ahead", "fault"))
+    def a_failure_ahead(self, fault):
+        self.arm(fault)
 
     @invariant()
     def snapshots_are_the_counter_of_their_own_night(self):
@@ -290,9 +809,9 @@ class CatalogModel(Model):
     @invariant()
     def no_snapshot_of_a_complete_night_in_the_horizon_is_lost(self):
         newest = self.db.one("SELECT max(run_date) FROM catalog.popularity_daily_views")
-        for d in self.complete:
+        for d, written in self.complete.items():
             if newest is not None and d >= newest - timedelta(days=HORIZON):
-                for cid in self.cards:
+                for cid in written:
                     assert d in dict(self.db.snapshots(cid)), (cid, d)
 
     @invariant()
@@ -304,110 +823,187 @@ class CatalogModel(Model):
 
 class NewsModel(Model):
     """Eight posts with comments; the hot path adds and hides comments (and its bug loses the
-    counter update now and then), someone corrupts a counter outside any comment activity;
-    scheduled nights (auto: DailyWindow, FullSweep on Sundays), manual runs (either scope,
-    targeted, dry, a run out of budget, any date), failures at any point, late clears."""
+    counter update now and then), between runs and during a run's batches; someone corrupts a
+    counter outside any comment activity; scheduled nights (auto: DailyWindow, FullSweep on
+    Sundays) with one to three ranges, cut budgets; manual runs (either scope, targeted, at a
+    post that does not exist, dry, a run out of budget, any date), failures at any point, late
+    clears; poison posts."""
 
     dag_id = NEWS
     job = "news"
+    table = "news.posts"
     conf = {"batch_size": 3, "max_ranges": 2}
 
     def __init__(self, db):
         super().__init__(db)
+        self.night = self.today - timedelta(days=12)  # the last scheduled night
         self.posts = [db.post(count=v, visible=v) for v in (0, 1, 2, 3, 1, 0, 4, 2)]
         # every change the model made to a counter directly (the hot path's own updates, a
         # corruption): with the corrections the job recorded, the counter is accounted for
         self.moved = dict.fromkeys(self.posts, 0)
         self.start = {p: db.count(p) for p in self.posts}
-        # posts a green sweep may leave wrong: drift it could not see (no comment activity,
-        # for a DailyWindow), or drift made after the sweep started (a sweep that spans runs
-        # does not look again at a range it finished)
+        # posts a green DailyWindow may leave wrong: drift it could not see (no comment
+        # activity); a FullSweep that spans runs does not look again at a range it finished
         self.silent: set[str] = set()
         self.drift_at: dict = {}  # post -> when the bug or a corruption last hit it
+        self.window_cut_nights: Counter = Counter()  # post -> cut windows it stayed wrong
+
+    def poison_target(self) -> str:
+        return self.posts[5]
+
+    def exact(self, p: str) -> bool:
+        return self.db.count(p) == self.visible(p)
+
+    def before_state(self, conf: dict, day) -> dict:
+        return {"wrong": {p for p in self.posts if not self.exact(p)}}
 
     def after_run(self, r: dict) -> None:
         s, conf = r["summary"] or {}, r["conf"]
+        if r["cut"] == "graceful" and r["state"] == "success" and WINDOW_RESUMES:
+            self.check_cut_window(r)
         if r["state"] != "success" or s.get("status") != "success":
             return
         if conf.get("dry_run"):
             return
-        exact = lambda p: self.db.count(p) == self.visible(p)  # noqa: E731
+        wrong = {p for p in self.posts if not self.exact(p)}
         if conf.get("post_ids"):
-            assert all(exact(p) for p in conf["post_ids"]), s
-            self.silent -= set(conf["post_ids"])
+            targeted = [p for p in conf["post_ids"] if p in self.moved]
+            self.checked_run("targeted", bool(set(targeted) & r["before"]["wrong"]))
+            for p in targeted:
+                assert p not in wrong or self.rejected(p, r), (s, p)
+            self.silent -= set(targeted) - wrong
+            for p in conf["post_ids"]:
+                if p not in self.moved:  # a post that does not exist: nothing of it anywhere
+                    assert not self.db.q(
+                        "SELECT 1 FROM pin_nightly.news_drift WHERE post_id = %s", p
+                    ) and not self.item_error(p, r["run_id"])
             return
         if s["sweep_id"] is None:  # it owned no sweep of its scope (all done by others)
             return
-        wrong = {p for p in self.posts if not exact(p)}
-        started = self.db.one(
-            "SELECT started_at FROM pin_nightly.sweep WHERE sweep_id = %s", s["sweep_id"]
-        )
-        later = {p for p, at in self.drift_at.items() if at > started}
+        if s["scope"] == "FullSweep":
+            # a sweep that spans runs does not look again at a range it finished: drift since
+            # the sweep started may be left
+            since = self.db.one(
+                "SELECT started_at FROM pin_nightly.sweep WHERE sweep_id = %s", s["sweep_id"]
+            )
+            found = bool(r["before"]["wrong"])
+        else:
+            # a window reaches back to the last completed sweep: only drift since this run's
+            # first attempt may be left (and drift without comment activity)
+            since = r["first_at"]
+            found = bool(r["before"]["wrong"] - self.silent)
+        self.checked_run(s["scope"], found)
+        later = {p for p, at in self.drift_at.items() if at > since}
         allowed = later if s["scope"] == "FullSweep" else self.silent | later
-        assert wrong <= allowed, (s, wrong, allowed)
+        left = {p for p in wrong - allowed if not self.rejected(p, r)}
+        assert not left, (s, left, allowed)
         self.silent = wrong
+
+    def rejected(self, p: str, r: dict) -> bool:
+        """A post the poison trigger rejects and the run recorded as an item error."""
+        return self.is_poisoned(p, r) and self.item_error(p, r["run_id"])
+
+    def check_cut_window(self, r: dict) -> None:
+        """Posts wrong with comment activity get corrected within about ceil(posts / posts per
+        night) + 1 cut DailyWindow nights."""
+        bound = math.ceil(len(self.posts) / CUT_BATCHES) + 1
+        for p in self.posts:
+            if self.exact(p) or p in self.silent or self.is_poisoned(p):
+                self.window_cut_nights.pop(p, None)
+                continue
+            self.window_cut_nights[p] += 1
+            assert self.window_cut_nights[p] <= bound, (p, bound)
 
     def visible(self, pid: str) -> int:
         return self.db.one(
             "SELECT count(*) FROM news.comments WHERE post_id = %s AND status = 'Visible'", pid
         )
 
-    def news_run(self, conf: dict, logical, fault) -> dict:
-        r = self.run({**self.conf, **conf}, logical, logical, fault)
-        self.after_run(r)
+    def news_run(self, conf: dict, logical, fault, cut=None, traffic=None, run_id=None) -> dict:
+        day = logical
+        r = self.run({**self.conf, **conf}, logical, day, fault, cut=cut, traffic=traffic)
+        if run_id is None:
+            self.after_run(r)
         return r
 
-    @rule(post=st.integers(0, 7), op=st.sampled_from(["add", "hide", "lost", "corrupt"]))
+    def write(self, conn, pid: str, op: str) -> None:
+        """One hot-path transaction's statements on ``conn`` (see :meth:`hot_path`)."""
+        if op in ("add", "lost"):
+            conn.execute(
+                "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
+                "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())",
+                (pid,),
+            )
+            delta = 1 if op == "add" else 0
+        elif op == "hide":
+            hidden = conn.execute(
+                "UPDATE news.comments SET status = 'HiddenByModerator', updated_at = now() "
+                "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s "
+                "AND status = 'Visible' LIMIT 1) RETURNING id",
+                (pid,),
+            ).fetchall()
+            delta = -1 if hidden else 0
+        else:
+            delta = 2
+            self.silent.add(pid)
+        if op in ("lost", "corrupt"):
+            self.drift_at[pid] = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+        if delta:
+            conn.execute(
+                "UPDATE news.posts SET comments_count = comments_count + %s WHERE id = %s",
+                (delta, pid),
+            )
+        self.pending = delta
+
+    @rule(post=values("news", "hot_path", "post"), op=values("news", "hot_path", "op"))
     def hot_path(self, post, op):
         """The service: a comment added or hidden with its counter in one transaction; the bug
         (a comment added, the counter not); a counter corrupted with no comment activity."""
+        self.cover("hot_path", post=post, op=op)
         pid = self.posts[post]
         with self.db.conn.transaction():
-            if op in ("add", "lost"):
-                self.db.q(
-                    "INSERT INTO news.comments (id, post_id, status, created_at, updated_at) "
-                    "VALUES (gen_random_uuid(), %s, 'Visible', now(), now())",
-                    pid,
-                )
-                delta = 1 if op == "add" else 0
-            elif op == "hide":
-                hidden = self.db.q(
-                    "UPDATE news.comments SET status = 'HiddenByModerator', updated_at = now() "
-                    "WHERE id = (SELECT id FROM news.comments WHERE post_id = %s "
-                    "AND status = 'Visible' LIMIT 1) RETURNING id",
-                    pid,
-                )
-                delta = -1 if hidden else 0
-            else:
-                delta = 2
-                self.silent.add(pid)
-            if op in ("lost", "corrupt"):
-                self.drift_at[pid] = self.db.one("SELECT now()")
-            if delta:
-                self.db.q(
-                    "UPDATE news.posts SET comments_count = comments_count + %s WHERE id = %s",
-                    delta,
-                    pid,
-                )
-                self.moved[pid] += delta
+            self.write(self.db.conn, pid, op)
+        self.moved[pid] += self.pending
+
+    def traffic_target(self, job, after_id, upper_id) -> str | None:
+        rows = [p for p in sorted(self.posts) if after_id is None or p > after_id]
+        rows = [p for p in rows if upper_id is None or p <= upper_id]
+        return rows[0] if rows else None
+
+    def hot_write(self, conn, target: str, day, commit: bool = True) -> None:
+        self.write(conn, target, "add")
+        if commit:
+            self.hot_committed(target, day)
+
+    def hot_committed(self, target: str, day) -> None:
+        self.moved[target] += 1
 
     @precondition(lambda self: self.night < self.today)
-    @rule(fault=faults("news"))
-    def scheduled_night(self, fault):
+    @rule(
+        cut=values("news", "scheduled_night", "cut"),
+        ranges=values("news", "scheduled_night", "ranges"),
+        traffic=values("news", "scheduled_night", "traffic"),
+    )
+    def scheduled_night(self, cut=None, ranges=2, traffic=None):
+        self.cover("scheduled_night", cut=cut, ranges=ranges, traffic=traffic)
         self.night += timedelta(days=1)
+        self.newest_night = self.night
         # 03:00 in Moscow; auto is a FullSweep on Sundays
-        self.news_run({}, night(self.night) - timedelta(hours=3), fault)
+        logical = night(self.night) - timedelta(hours=3)
+        self.news_run({"max_ranges": ranges}, logical, self.armed(), cut, traffic)
 
     @rule(
-        what=st.sampled_from(["FullSweep", "DailyWindow", "targeted", "dry_run", "out_of_time"]),
-        when=st.sampled_from(["now", "past", "future"]),
-        fault=faults("news"),
+        what=values("news", "manual_run", "what"),
+        when=values("news", "manual_run", "when"),
+        traffic=values("news", "manual_run", "traffic"),
     )
-    def manual_run(self, what, when, fault):
+    def manual_run(self, what, when, traffic=None):
+        self.cover("manual_run", what=what, when=when, traffic=traffic)
         conf = {
             "FullSweep": {"scope": "FullSweep"},
             "DailyWindow": {"scope": "DailyWindow"},
             "targeted": {"post_ids": self.posts[:3]},
+            "targeted_missing": {"post_ids": [self.posts[6], str(uuid.uuid4())]},
             "dry_run": {"scope": "FullSweep", "dry_run": True},
             "out_of_time": {"scope": "FullSweep", "max_run_duration_minutes": 0.0001},
         }[what]
@@ -416,7 +1012,25 @@ class NewsModel(Model):
             "past": night(self.night - timedelta(days=3)),
             "future": night(self.today + timedelta(days=5)),
         }[when]
-        self.news_run(conf, logical, fault)
+        self.news_run(conf, logical, self.armed(), traffic=traffic)
+
+    if BACKFILL_REFUSED:
+
+        @rule(age=values("news", "backfill_run", "age"))
+        def backfill_run(self, age):
+            """An Airflow backfill of a news night: it does nothing and ends green."""
+            self.cover("backfill_run", age=age)
+            logical = night(self.today - timedelta(days=age)) - timedelta(hours=3)
+            counts = {p: self.db.count(p) for p in self.posts}
+            drift = self.db.one("SELECT count(*) FROM pin_nightly.news_drift")
+            r = self.news_run({}, logical, None, run_id=f"backfill__{logical.isoformat()}")
+            assert r["state"] == "success", r["tasks"]
+            assert {p: self.db.count(p) for p in self.posts} == counts
+            assert self.db.one("SELECT count(*) FROM pin_nightly.news_drift") == drift
+
+    @rule(fault=values("news", "a_failure_ahead", "fault"))
+    def a_failure_ahead(self, fault):
+        self.arm(fault)
 
     @invariant()
     def every_correction_is_recorded_once(self):
@@ -432,20 +1046,174 @@ class NewsModel(Model):
             )
 
 
+# --- the bounded profile: covering sequences --------------------------------------------------
+#
+# Each sequence is a list of (rule, params); it runs on a fresh database, with every invariant
+# checked after every step. Together a job's sequences cover every value of every rule's
+# parameters (asserted at the end), and every checked green run follows drift or growth.
+
+
+def S(rule_name: str, **params) -> tuple:  # noqa: N802 - a step, read as a table
+    return (rule_name, params)
+
+
+def drift(*ops) -> list:
+    return [S("hot_path", post=p, op=op) for p, op in ops]
+
+
+NEWS_SEQUENCES = [
+    [
+        *drift((0, "lost"), (1, "corrupt"), (2, "add")),
+        S("scheduled_night", ranges=3, traffic="hold"),
+        *drift((3, "lost"), (4, "hide")),
+        S("a_failure_ahead", fault="mid_batch"),
+        S("scheduled_night", ranges=1),
+        S("clear_a_failed_run", which=0, how="failed_tasks"),
+        *drift((5, "lost"), (6, "corrupt"), (7, "add")),
+        S("scheduled_night", cut="graceful", ranges=2),  # a window left unfinished
+        *drift((7, "lost")),
+        S("scheduled_night", cut="budget"),  # and another
+        *drift((0, "hide"), (1, "lost")),
+        S("scheduled_night", traffic="commit"),  # its own window covers what they left
+        *drift((2, "lost")),
+        S("a_failure_ahead", fault="range_after_work"),
+        S("scheduled_night"),
+        *drift((3, "lost")),
+        S("a_failure_ahead", fault="summarize_before"),
+        S("scheduled_night"),
+        *drift((4, "lost")),
+        S("clear_a_failed_run", which=0, how="only_failed"),  # late: a newer night ran
+        S("poison", rows="one"),
+        *drift((5, "lost"), (6, "lost")),
+        S("clear_a_failed_run", which=0, how="whole_run"),
+        S("poison", rows="all"),
+        *drift((7, "lost"), (0, "lost")),
+        S("manual_run", what="targeted", when="future"),
+        S("poison", rows="none"),
+        *drift((6, "lost")),
+        S("manual_run", what="targeted_missing", when="now", traffic="commit"),
+        *drift((1, "lost")),
+        S("manual_run", what="FullSweep", when="now"),
+        *drift((2, "lost")),
+        S("manual_run", what="DailyWindow", when="past", traffic="hold"),
+        S("a_failure_ahead", fault="plan_before"),
+        S("manual_run", what="dry_run", when="future"),
+        S("manual_run", what="out_of_time", when="now"),
+    ],
+]
+
+CATALOG_SEQUENCES = [
+    [
+        S("views_grow", cards="all", amount=5),
+        S("scheduled_night", gap=1, ranges=3, traffic="hold"),
+        S("views_grow", cards="property", amount=40),
+        S("a_failure_ahead", fault="mid_batch"),
+        S("scheduled_night", gap=2),  # a missed night before it
+        S("views_grow", cards="one", amount=40),
+        S("clear_a_failed_run", which=0, how="failed_tasks"),
+        S("views_grow", cards="project", amount=5),
+        S("scheduled_night", gap=12, ranges=1),
+        S("views_grow", cards="all", amount=5),
+        S("scheduled_night", gap=20, traffic="commit"),  # 32 days after the second night
+        S("views_grow", cards="all", amount=5),
+        S("scheduled_night", gap=1, cut="graceful", ranges=2),
+        S("views_grow", cards="all", amount=5),
+        S("scheduled_night", gap=1, cut="graceful", ranges=2),  # goes on where it stopped
+        S("a_failure_ahead", fault="summarize_before"),
+        S("scheduled_night", gap=1, cut="budget"),
+        S("views_grow", cards="all", amount=40),
+        S("a_failure_ahead", fault="range_after_work"),
+        S("manual_run", when="last_night", extra="window"),
+        S("views_grow", cards="all", amount=5),
+        S("clear_a_failed_run", which=1, how="only_failed"),
+        S("views_grow", cards="all", amount=40),
+        S("a_failure_ahead", fault="projects_mid_batch"),
+        S("scheduled_night", gap=1),
+        S("views_grow", cards="all", amount=40),
+        S("manual_run", when="last_night", extra="half_life", traffic="hold"),
+        S("poison", rows="one"),
+        S("views_grow", cards="all", amount=40),
+        S("scheduled_night", gap=1, ranges=3),
+        S("views_grow", cards="all", amount=40),
+        S("clear_a_failed_run", which=1, how="whole_run"),  # late: a newer date ran
+        S("poison", rows="all"),
+        S("views_grow", cards="all", amount=5),
+        S("manual_run", when="today", extra="targeted"),
+        S("poison", rows="none"),
+        S("views_grow", cards="all", amount=0),
+        S("manual_run", when="today", extra="targeted_missing", traffic="commit"),
+        S("a_failure_ahead", fault="plan_before"),
+        S("manual_run", when="past", extra="dry_run"),
+        S("manual_run", when="future", extra="plain"),
+    ],
+]
+
+
+def drive(machine: Model, steps: list) -> None:
+    """Run the steps through the machine's rules, checking every invariant after each."""
+    invariants = [inv.function for inv in machine.invariants]
+    for f in invariants:
+        f(machine)
+    for name, params in steps:
+        declared = getattr(type(machine), name).hypothesis_stateful_rule
+        for pre in declared.preconditions:
+            assert pre(machine), (name, params, "its precondition does not hold")
+        getattr(machine, name)(**params)
+        for f in invariants:
+            f(machine)
+
+
+def bounded(factory, sequences: list, job: str) -> None:
+    covered: set[tuple] = set()
+    checked: list[tuple] = []
+    for steps in sequences:
+        machine = factory()
+        drive(machine, steps)
+        covered |= machine.covered
+        checked += machine.checked
+    missing, extra = domain(job) - covered, covered - domain(job)
+    assert not missing and not extra, ("coverage", sorted(missing, key=str), sorted(extra, key=str))
+    assert checked and all(found for _, found in checked), (
+        "a checked green run had nothing to find",
+        checked,
+    )
+
+
+def soak(factory, job: str) -> None:
+    """Random sequences until ``SOAK_EXAMPLES`` or ``SOAK_MINUTES`` are used up (checked
+    between sequences); then a summary of what ran."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    examples = int(os.environ.get("SOAK_EXAMPLES", "100"))
+    minutes = float(os.environ.get("SOAK_MINUTES", "0") or 0)
+    started = time.monotonic()
+    done = 0
+    while done < examples and (not minutes or time.monotonic() - started < minutes * 60):
+        run_state_machine_as_test(factory, settings=SOAK)
+        done += 1
+    ran = SESSION[job]
+    print(
+        f"\nsoak {job}: {done} sequence(s) in {(time.monotonic() - started) / 60:.1f} min, "
+        f"{sum(ran.values())} steps: " + ", ".join(f"{k} {v}" for k, v in sorted(ran.items()))
+    )
+
+
 def _reset_news(db) -> None:
     db.q("DROP SCHEMA IF EXISTS pin_nightly CASCADE")
     run_sql_file(db.dsn, "schema/pin_nightly.sql")
+    db.q("DROP TRIGGER IF EXISTS pin_test_poison ON news.posts")
     db.q("TRUNCATE news.posts, news.comments")
 
 
 def test_news_operation_sequences(news_db):
-    from hypothesis.stateful import run_state_machine_as_test
-
     def machine():
         _reset_news(news_db)
         return NewsModel(news_db)
 
-    run_state_machine_as_test(machine, settings=PROFILE)
+    if PROFILE_NAME == "soak":
+        soak(machine, "news")
+    else:
+        bounded(machine, NEWS_SEQUENCES, "news")
 
 
 def _reset_catalog(db) -> None:
@@ -453,6 +1221,8 @@ def _reset_catalog(db) -> None:
     db.q("DROP SCHEMA IF EXISTS pin_nightly CASCADE")
     run_sql_file(db.dsn, "schema/pin_nightly.sql")
     run_sql_file(db.dsn, "schema/catalog_popularity.sql")
+    for table in db.TABLES.values():
+        db.q(f"DROP TRIGGER IF EXISTS pin_test_poison ON {table}")
     db.q(
         "TRUNCATE catalog.property_object_cards, catalog.project_cards, "
         "catalog.popularity_daily_views"
@@ -460,10 +1230,11 @@ def _reset_catalog(db) -> None:
 
 
 def test_catalog_operation_sequences(catalog_db):
-    from hypothesis.stateful import run_state_machine_as_test
-
     def machine():
         _reset_catalog(catalog_db)
         return CatalogModel(catalog_db)
 
-    run_state_machine_as_test(machine, settings=PROFILE)
+    if PROFILE_NAME == "soak":
+        soak(machine, "catalog")
+    else:
+        bounded(machine, CATALOG_SEQUENCES, "catalog")
