@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import math
 import os
 import sys
 import threading
@@ -47,20 +46,6 @@ NEWS = "news_comment_reconcile"
 CATALOG = "catalog_popularity_recompute"
 H = 7
 HORIZON = 32  # retention keeps max(window, 30) + 2 days
-
-# Behaviour the model checks once the job has it (each flag flips when its change is in):
-# - the pass of the family a night left behind goes first the next night (no family starves
-#   while every night is cut)
-PROJECTS_NEVER_STARVE = False
-# - retention deletes at least the oldest night past the horizon when the budget is used up
-RETENTION_UNDER_CUT = False
-# - a late-cleared range task of date D writes nothing when a newer date has a snapshot
-LATE_RANGE_GUARD = False
-# - a popularity backfill run of a date before yesterday fails validate_options; a news
-#   backfill run does nothing and ends green
-BACKFILL_REFUSED = False
-# - an unfinished DailyWindow's successor starts where it stopped
-WINDOW_RESUMES = False
 
 CUT_BATCHES = 2  # a cut night stops gracefully after this many batches that read rows
 HOLD_AFTER_S = 0.4  # a held hot-path transaction commits this long after the batch it blocked
@@ -141,9 +126,8 @@ DOMAINS = {
         "poison": {"rows": POISON},
     },
 }
-if BACKFILL_REFUSED:
-    DOMAINS["news"]["backfill_run"] = {"age": [1, 5]}
-    DOMAINS["catalog"]["backfill_run"] = {"age": [1, 5]}
+DOMAINS["news"]["backfill_run"] = {"age": [1, 5]}
+DOMAINS["catalog"]["backfill_run"] = {"age": [1, 5]}
 
 
 def values(job: str, rule_name: str, param: str):
@@ -297,7 +281,7 @@ class Model(RuleBasedStateMachine):
         return r
 
     def expect_green(self, r: dict) -> bool:
-        return True
+        return not r["run_id"].startswith("backfill__")
 
     def graceful_stop(self, mp) -> None:
         """The documented graceful stop: after :data:`CUT_BATCHES` batches that read rows, the
@@ -539,6 +523,7 @@ class CatalogModel(Model):
         # dates whose nightly passes all ended in a green success -> the cards they wrote
         self.complete: dict = {}
         self.cycle: set = set()  # cards cut nights reached since all were last reached
+        self.starved: str | None = None  # the card kind the last cut night reached nothing of
         self.stamp_ok = False  # the run in progress may stamp its date (no newer date written)
 
     def tables(self) -> list[str]:
@@ -563,18 +548,7 @@ class CatalogModel(Model):
 
     def before_run(self, d) -> None:
         newest = self.newest_date()
-        newest_snapshot = self.db.one("SELECT max(run_date) FROM catalog.popularity_daily_views")
         self.stamp_ok = newest is None or newest <= d
-        if not LATE_RANGE_GUARD and (newest_snapshot is None or newest_snapshot <= d):
-            # a range task of an open sweep of d (a newer date has only a targeted run's
-            # snapshots) still writes: excused until the range checks the dates too
-            self.stamp_ok = self.stamp_ok or bool(
-                self.db.q(
-                    "SELECT 1 FROM pin_nightly.sweep WHERE status = 'open' AND resumable "
-                    "AND (params ->> 'as_of_date')::date = %s",
-                    d,
-                )
-            )
         if self.stamp_ok:
             for cid, v in self.views().items():
                 self.seen[d][cid].add(v)
@@ -598,12 +572,14 @@ class CatalogModel(Model):
         return {"grown": grown, "oldest": oldest}
 
     def expect_green(self, r: dict) -> bool:
-        return r["day"] <= self.today and not r.get("backfill")
+        return r["day"] <= self.today and not r["run_id"].startswith("backfill__")
 
     def catalog_run(self, conf: dict, logical, fault, cut=None, traffic=None, run_id=None):
         d = (logical or night(self.today)).date()
         self.before_run(d)
-        r = self.run({**self.conf, **conf}, logical, d, fault, cut=cut, traffic=traffic)
+        r = self.run(
+            {**self.conf, **conf}, logical, d, fault, cut=cut, traffic=traffic, run_id=run_id
+        )
         if run_id is None:
             self.after_run(r)
         return r
@@ -612,7 +588,7 @@ class CatalogModel(Model):
         s, conf = r["summary"] or {}, r["conf"]
         if r["state"] == "success" and r["cut"] == "graceful" and r["fault"] is None:
             self.check_cut_night(r)
-        if r["state"] == "success" and r["cut"] and RETENTION_UNDER_CUT:
+        if r["state"] == "success" and r["cut"]:
             self.check_retention_under_cut(r)
         if r["state"] != "success" or s.get("status") != "success" or conf.get("dry_run"):
             return
@@ -629,7 +605,7 @@ class CatalogModel(Model):
         written = self.check_scores(r, list(self.cards), window, conf.get("half_life_days", H))
         if "window_days" not in conf and "half_life_days" not in conf:
             self.complete[r["day"]] = written
-        self.cycle = set()
+        self.cycle, self.starved = set(), None
         # retention: nothing older than the horizon is kept
         keep = max(window, 30) + 2
         oldest = self.db.one("SELECT min(run_date) FROM catalog.popularity_daily_views")
@@ -654,12 +630,10 @@ class CatalogModel(Model):
         return written
 
     def considered(self) -> set[str]:
-        """The cards a cut night must make progress on: both kinds once no family starves,
-        else the first pass's; never a poisoned card."""
+        """The cards a cut night must make progress on: all but the poisoned."""
         if self.poisoned is None:
             return set()
-        kinds = {"PropertyObject", "Project"} if PROJECTS_NEVER_STARVE else {"PropertyObject"}
-        return {c for c, k in self.cards.items() if k in kinds and c not in self.poisoned}
+        return {c for c in self.cards if c not in self.poisoned}
 
     def check_cut_night(self, r: dict) -> None:
         """A night cut after a few batches reaches at least one card that the cut nights since
@@ -670,6 +644,17 @@ class CatalogModel(Model):
             return
         todo = self.considered()
         reached = {c for c in todo if r["day"] in dict(self.db.snapshots(c))}
+        if self.starved is not None:
+            # the pass a cut night left without a card goes first the next night
+            behind = {c for c in todo if self.cards[c] == self.starved}
+            assert not behind or reached & behind, (
+                "the pass a cut night reached nothing of did not go first",
+                self.starved,
+                r["day"],
+            )
+        kinds = {self.cards[c] for c in reached}
+        starved = {self.cards[c] for c in todo} - kinds
+        self.starved = starved.pop() if len(starved) == 1 else None
         if todo and not todo <= self.cycle:
             assert reached - self.cycle, (
                 "a cut night reached no card that the cut nights before it had not",
@@ -779,20 +764,24 @@ class CatalogModel(Model):
         if when == "future":
             assert r["state"] == "failed" and r["tasks"]["validate_options"] == "failed", r
 
-    if BACKFILL_REFUSED:
-
-        @rule(age=values("catalog", "backfill_run", "age"))
-        def backfill_run(self, age):
-            """An Airflow backfill of a date ``age`` days back: before yesterday it is refused
-            before any write (tonight's run carries the growth)."""
-            self.cover("backfill_run", age=age)
-            d = self.today - timedelta(days=age)
-            before = self.db.q("SELECT * FROM catalog.popularity_daily_views ORDER BY id")
-            r = self.catalog_run({}, night(d), None, run_id=f"backfill__{night(d).isoformat()}")
-            if age > 1:
-                assert r["tasks"]["validate_options"] == "failed", r["tasks"]
-                after = self.db.q("SELECT * FROM catalog.popularity_daily_views ORDER BY id")
-                assert after == before
+    @rule(age=values("catalog", "backfill_run", "age"))
+    def backfill_run(self, age):
+        """An Airflow backfill of a date ``age`` days back: before yesterday, unless that date
+        or a later one has snapshots already, it is refused before any write (tonight's run
+        carries the growth)."""
+        self.cover("backfill_run", age=age)
+        d = self.today - timedelta(days=age)
+        stored = self.db.one(
+            "SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date >= %s", d
+        )
+        before = self.db.q("SELECT * FROM catalog.popularity_daily_views ORDER BY id")
+        r = self.catalog_run({}, night(d), None, run_id=f"backfill__{night(d).isoformat()}")
+        if age > 1 and not stored:
+            assert r["tasks"]["validate_options"] == "failed", r["tasks"]
+            assert self.db.q("SELECT * FROM catalog.popularity_daily_views ORDER BY id") == before
+        else:
+            assert r["state"] == "success", r["tasks"]
+            self.after_run(r)
 
     @rule(fault=values("catalog", "a_failure_ahead", "fault"))
     def a_failure_ahead(self, fault):
@@ -846,7 +835,7 @@ class NewsModel(Model):
         # activity); a FullSweep that spans runs does not look again at a range it finished
         self.silent: set[str] = set()
         self.drift_at: dict = {}  # post -> when the bug or a corruption last hit it
-        self.window_cut_nights: Counter = Counter()  # post -> cut windows it stayed wrong
+        self.left_by_cut: set[str] = set()  # posts the last cut DailyWindow left wrong
 
     def poison_target(self) -> str:
         return self.posts[5]
@@ -859,7 +848,7 @@ class NewsModel(Model):
 
     def after_run(self, r: dict) -> None:
         s, conf = r["summary"] or {}, r["conf"]
-        if r["cut"] == "graceful" and r["state"] == "success" and WINDOW_RESUMES:
+        if r["state"] == "success":
             self.check_cut_window(r)
         if r["state"] != "success" or s.get("status") != "success":
             return
@@ -904,15 +893,21 @@ class NewsModel(Model):
         return self.is_poisoned(p, r) and self.item_error(p, r["run_id"])
 
     def check_cut_window(self, r: dict) -> None:
-        """Posts wrong with comment activity get corrected within about ceil(posts / posts per
-        night) + 1 cut DailyWindow nights."""
-        bound = math.ceil(len(self.posts) / CUT_BATCHES) + 1
-        for p in self.posts:
-            if self.exact(p) or p in self.silent or self.is_poisoned(p):
-                self.window_cut_nights.pop(p, None)
-                continue
-            self.window_cut_nights[p] += 1
-            assert self.window_cut_nights[p] <= bound, (p, bound)
+        """A DailyWindow cut after a few batches corrects first what the cut window before it
+        left wrong (it starts where that one stopped): every post with comment activity is
+        corrected within a bounded number of nights however every night is cut."""
+        s = r["summary"] or {}
+        if r["cut"] != "graceful" or r["fault"] or s.get("scope") != "DailyWindow":
+            if s.get("status") == "success":
+                self.left_by_cut = set()
+            return
+        wrong = {p for p in self.posts if not self.exact(p)}
+        left = self.left_by_cut & r["before"]["wrong"]
+        assert not left or left - wrong, (
+            "a cut DailyWindow corrected nothing of what the cut window before it left",
+            sorted(self.posts.index(p) for p in left),
+        )
+        self.left_by_cut = {p for p in wrong - self.silent if not self.is_poisoned(p, r)}
 
     def visible(self, pid: str) -> int:
         return self.db.one(
@@ -921,7 +916,9 @@ class NewsModel(Model):
 
     def news_run(self, conf: dict, logical, fault, cut=None, traffic=None, run_id=None) -> dict:
         day = logical
-        r = self.run({**self.conf, **conf}, logical, day, fault, cut=cut, traffic=traffic)
+        r = self.run(
+            {**self.conf, **conf}, logical, day, fault, cut=cut, traffic=traffic, run_id=run_id
+        )
         if run_id is None:
             self.after_run(r)
         return r
@@ -1014,19 +1011,22 @@ class NewsModel(Model):
         }[when]
         self.news_run(conf, logical, self.armed(), traffic=traffic)
 
-    if BACKFILL_REFUSED:
-
-        @rule(age=values("news", "backfill_run", "age"))
-        def backfill_run(self, age):
-            """An Airflow backfill of a news night: it does nothing and ends green."""
-            self.cover("backfill_run", age=age)
-            logical = night(self.today - timedelta(days=age)) - timedelta(hours=3)
-            counts = {p: self.db.count(p) for p in self.posts}
-            drift = self.db.one("SELECT count(*) FROM pin_nightly.news_drift")
-            r = self.news_run({}, logical, None, run_id=f"backfill__{logical.isoformat()}")
-            assert r["state"] == "success", r["tasks"]
+    @rule(age=values("news", "backfill_run", "age"))
+    def backfill_run(self, age):
+        """An Airflow backfill of a news night ``age`` days back: before yesterday it is refused
+        before any write (a run sweeps today's rows whatever its date)."""
+        self.cover("backfill_run", age=age)
+        logical = night(self.today - timedelta(days=age))
+        counts = {p: self.db.count(p) for p in self.posts}
+        drift = self.db.one("SELECT count(*) FROM pin_nightly.news_drift")
+        r = self.news_run({}, logical, None, run_id=f"backfill__{logical.isoformat()}")
+        if age > 1:
+            assert r["tasks"]["validate_options"] == "failed", r["tasks"]
             assert {p: self.db.count(p) for p in self.posts} == counts
             assert self.db.one("SELECT count(*) FROM pin_nightly.news_drift") == drift
+        else:
+            assert r["state"] == "success", r["tasks"]
+            self.after_run(r)
 
     @rule(fault=values("news", "a_failure_ahead", "fault"))
     def a_failure_ahead(self, fault):
@@ -1069,15 +1069,16 @@ NEWS_SEQUENCES = [
         S("a_failure_ahead", fault="mid_batch"),
         S("scheduled_night", ranges=1),
         S("clear_a_failed_run", which=0, how="failed_tasks"),
-        *drift((5, "lost"), (6, "corrupt"), (7, "add")),
+        S("backfill_run", age=5),
+        *drift((0, "lost"), (5, "lost"), (6, "corrupt"), (7, "add")),
         S("scheduled_night", cut="graceful", ranges=2),  # a window left unfinished
-        *drift((7, "lost")),
-        S("scheduled_night", cut="budget"),  # and another
-        *drift((0, "hide"), (1, "lost")),
+        *drift((1, "lost"), (7, "lost")),
+        S("scheduled_night", cut="graceful", ranges=2),  # goes on where it stopped
+        *drift((0, "hide"), (2, "lost")),
         S("scheduled_night", traffic="commit"),  # its own window covers what they left
         *drift((2, "lost")),
         S("a_failure_ahead", fault="range_after_work"),
-        S("scheduled_night"),
+        S("scheduled_night", cut="budget"),
         *drift((3, "lost")),
         S("a_failure_ahead", fault="summarize_before"),
         S("scheduled_night"),
@@ -1096,6 +1097,8 @@ NEWS_SEQUENCES = [
         S("manual_run", what="FullSweep", when="now"),
         *drift((2, "lost")),
         S("manual_run", what="DailyWindow", when="past", traffic="hold"),
+        *drift((3, "lost")),
+        S("backfill_run", age=1),
         S("a_failure_ahead", fault="plan_before"),
         S("manual_run", what="dry_run", when="future"),
         S("manual_run", what="out_of_time", when="now"),
@@ -1106,6 +1109,7 @@ CATALOG_SEQUENCES = [
     [
         S("views_grow", cards="all", amount=5),
         S("scheduled_night", gap=1, ranges=3, traffic="hold"),
+        S("backfill_run", age=5),
         S("views_grow", cards="property", amount=40),
         S("a_failure_ahead", fault="mid_batch"),
         S("scheduled_night", gap=2),  # a missed night before it
@@ -1136,12 +1140,17 @@ CATALOG_SEQUENCES = [
         S("scheduled_night", gap=1, ranges=3),
         S("views_grow", cards="all", amount=40),
         S("clear_a_failed_run", which=1, how="whole_run"),  # late: a newer date ran
+        S("a_failure_ahead", fault="mid_batch"),
+        S("scheduled_night", gap=1),  # its pass stays open
         S("poison", rows="all"),
         S("views_grow", cards="all", amount=5),
-        S("manual_run", when="today", extra="targeted"),
+        S("manual_run", when="today", extra="targeted"),  # a newer date's snapshots
         S("poison", rows="none"),
         S("views_grow", cards="all", amount=0),
         S("manual_run", when="today", extra="targeted_missing", traffic="commit"),
+        S("views_grow", cards="all", amount=5),
+        S("clear_a_failed_run", which=-1, how="failed_tasks"),  # its range writes nothing
+        S("backfill_run", age=1),
         S("a_failure_ahead", fault="plan_before"),
         S("manual_run", when="past", extra="dry_run"),
         S("manual_run", when="future", extra="plain"),
