@@ -1072,7 +1072,7 @@ NEWS_SEQUENCES = [
         *drift((3, "lost"), (4, "hide")),
         S("a_failure_ahead", fault="mid_batch"),
         S("scheduled_night", ranges=1),
-        S("clear_a_failed_run", which=0, how="failed_tasks"),
+        S("clear_a_failed_run", which=-1, how="failed_tasks"),
         S("backfill_run", age=5),
         *drift((0, "lost"), (5, "lost"), (6, "corrupt"), (7, "add")),
         S("scheduled_night", cut="graceful", ranges=2),  # a window left unfinished
@@ -1087,10 +1087,10 @@ NEWS_SEQUENCES = [
         S("a_failure_ahead", fault="summarize_before"),
         S("scheduled_night"),
         *drift((4, "lost")),
-        S("clear_a_failed_run", which=0, how="only_failed"),  # late: a newer night ran
+        S("clear_a_failed_run", which=-2, how="only_failed"),  # late: a newer night ran
         S("poison", rows="one"),
         *drift((5, "lost"), (6, "lost")),
-        S("clear_a_failed_run", which=0, how="whole_run"),
+        S("clear_a_failed_run", which=-1, how="whole_run"),
         S("poison", rows="all"),
         *drift((7, "lost"), (0, "lost")),
         S("manual_run", what="targeted", when="future"),
@@ -1118,7 +1118,7 @@ CATALOG_SEQUENCES = [
         S("a_failure_ahead", fault="mid_batch"),
         S("scheduled_night", gap=2),  # a missed night before it
         S("views_grow", cards="one", amount=40),
-        S("clear_a_failed_run", which=0, how="failed_tasks"),
+        S("clear_a_failed_run", which=-1, how="failed_tasks"),
         S("views_grow", cards="project", amount=5),
         S("scheduled_night", gap=12, ranges=1),
         S("views_grow", cards="all", amount=5),
@@ -1126,14 +1126,16 @@ CATALOG_SEQUENCES = [
         S("views_grow", cards="all", amount=5),
         S("scheduled_night", gap=1, cut="graceful", ranges=2),
         S("views_grow", cards="all", amount=5),
-        S("scheduled_night", gap=1, cut="graceful", ranges=2),  # goes on where it stopped
+        S("scheduled_night", gap=1, cut="graceful", ranges=2),  # the pass behind goes first
+        S("views_grow", cards="all", amount=5),
+        S("scheduled_night", gap=1, cut="graceful", ranges=3),  # goes on where it stopped
         S("a_failure_ahead", fault="summarize_before"),
         S("scheduled_night", gap=1, cut="budget"),
         S("views_grow", cards="all", amount=40),
         S("a_failure_ahead", fault="range_after_work"),
         S("manual_run", when="last_night", extra="window"),
         S("views_grow", cards="all", amount=5),
-        S("clear_a_failed_run", which=1, how="only_failed"),
+        S("clear_a_failed_run", which=-1, how="only_failed"),
         S("views_grow", cards="all", amount=40),
         S("a_failure_ahead", fault="projects_mid_batch"),
         S("scheduled_night", gap=1),
@@ -1143,7 +1145,7 @@ CATALOG_SEQUENCES = [
         S("views_grow", cards="all", amount=40),
         S("scheduled_night", gap=1, ranges=3),
         S("views_grow", cards="all", amount=40),
-        S("clear_a_failed_run", which=1, how="whole_run"),  # late: a newer date ran
+        S("clear_a_failed_run", which=-1, how="whole_run"),  # late: a newer date ran
         S("a_failure_ahead", fault="mid_batch"),
         S("scheduled_night", gap=1),  # its pass stays open
         S("poison", rows="all"),
@@ -1163,7 +1165,8 @@ CATALOG_SEQUENCES = [
 
 
 def drive(machine: Model, steps: list) -> None:
-    """Run the steps through the machine's rules, checking every invariant after each."""
+    """Run the steps through the machine's rules, checking every invariant after each (a
+    clear's ``which`` counts from the newest failed run with negative values)."""
     invariants = [inv.function for inv in machine.invariants]
     for f in invariants:
         f(machine)
