@@ -241,11 +241,13 @@ class Model(RuleBasedStateMachine):
                 if again_of is None:
                     r = run_dag(self.dag_id, conf, logical_date=logical, run_id=run_id)
                 elif again_of["how"] == "whole_run":  # the same run (id, dates) from the start
+                    backfill = again_of["run_id"].startswith("backfill__")
                     r = run_dag(
                         self.dag_id,
                         conf,
                         logical_date=again_of["logical_date"],
                         run_after=again_of["run_after"],
+                        run_id=again_of["run_id"] if backfill else None,  # its id says its type
                     )
                     assert r["run_id"] == again_of["run_id"], (r["run_id"], again_of["run_id"])
                 else:
@@ -1074,7 +1076,7 @@ NEWS_SEQUENCES = [
         S("scheduled_night", ranges=1),
         S("clear_a_failed_run", which=-1, how="failed_tasks"),
         S("backfill_run", age=5),
-        *drift((0, "lost"), (5, "lost"), (6, "corrupt"), (7, "add")),
+        *drift((0, "lost"), (5, "lost"), (6, "corrupt"), (7, "add"), (1, "add"), (6, "hide")),
         S("scheduled_night", cut="graceful", ranges=2),  # a window left unfinished
         *drift((1, "lost"), (7, "lost")),
         S("scheduled_night", cut="graceful", ranges=2),  # goes on where it stopped
@@ -1128,7 +1130,7 @@ CATALOG_SEQUENCES = [
         S("views_grow", cards="all", amount=5),
         S("scheduled_night", gap=1, cut="graceful", ranges=2),  # the pass behind goes first
         S("views_grow", cards="all", amount=5),
-        S("scheduled_night", gap=1, cut="graceful", ranges=3),  # goes on where it stopped
+        S("scheduled_night", gap=1, cut="graceful", ranges=2),  # goes on where it stopped
         S("a_failure_ahead", fault="summarize_before"),
         S("scheduled_night", gap=1, cut="budget"),
         S("views_grow", cards="all", amount=40),
