@@ -205,6 +205,21 @@ def test_a_run_waits_while_its_pool_is_full(stack):
     assert stack.wait_run(CATALOG, run_id) == "success"
 
 
+def _clear_news_range(stack, run_id: str, map_index: int) -> None:
+    """The UI's Clear of one mapped range task instance (with its downstream tasks)."""
+    stack.request(
+        "POST",
+        f"/api/v2/dags/{NEWS}/clearTaskInstances",
+        {
+            "dry_run": False,
+            "only_failed": False,
+            "dag_run_id": run_id,
+            "task_ids": [["reconcile_range", map_index]],
+            "include_downstream": True,
+        },
+    )
+
+
 def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     db = stack.news
     db.q("TRUNCATE news.posts, news.comments")
@@ -223,17 +238,7 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     )
     assert ids[40] <= cursor < poison
     db.allow_updates()
-    stack.request(
-        "POST",
-        f"/api/v2/dags/{NEWS}/clearTaskInstances",
-        {
-            "dry_run": False,
-            "only_failed": False,
-            "dag_run_id": run_id,
-            "task_ids": [["reconcile_range", 2]],
-            "include_downstream": True,
-        },
-    )
+    _clear_news_range(stack, run_id, 2)
     assert stack.wait_run(NEWS, run_id) == "success"
     assert db.rows_per_range(sweep) == [20, 20, 20]  # the range resumed; nothing read twice
     assert db.drifted_posts() == 0
@@ -409,11 +414,11 @@ def _slow_batches(db) -> None:
     )
 
 
-def _set_slots(stack, n: int) -> None:
+def _set_slots(stack, n: int, pool: str = CATALOG) -> None:
     stack.request(
         "PATCH",
-        f"/api/v2/pools/{CATALOG}?update_mask=slots",
-        {"pool": CATALOG, "slots": n, "include_deferred": False},
+        f"/api/v2/pools/{pool}?update_mask=slots",
+        {"pool": pool, "slots": n, "include_deferred": False},
     )
 
 
@@ -525,11 +530,7 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
         "CREATE TRIGGER slow_batch BEFORE UPDATE ON news.posts "
         "FOR EACH STATEMENT EXECUTE FUNCTION news.slow_batch()"
     )
-    pool = lambda n: stack.request(  # noqa: E731
-        "PATCH",
-        f"/api/v2/pools/{NEWS}?update_mask=slots",
-        {"pool": NEWS, "slots": n, "include_deferred": False},
-    )
+    pool = functools.partial(_set_slots, stack, pool=NEWS)
     pool(4)
     try:
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 2, "max_ranges": 4})
@@ -544,17 +545,7 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
         states = stack.task_states(NEWS, run_id)
         running = [f"reconcile_range[{i}]" for i in range(3)]
         assert sum(states[t] == "running" for t in running) >= 2, states
-        stack.request(
-            "POST",
-            f"/api/v2/dags/{NEWS}/clearTaskInstances",
-            {
-                "dry_run": False,
-                "only_failed": False,
-                "dag_run_id": run_id,
-                "task_ids": [["reconcile_range", 3]],
-                "include_downstream": True,
-            },
-        )
+        _clear_news_range(stack, run_id, 3)
         assert stack.wait_run(NEWS, run_id, timeout=240) == "success"
     finally:
         pool(1)
