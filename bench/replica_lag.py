@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from datetime import UTC, datetime
+from unittest import mock
 
 from bench.common import OUT, setup_airflow_env
 
@@ -27,8 +28,7 @@ LAG_MB = 8  # the run's replica-lag limit in this measurement (the default is 10
 def _run(dsn: str, hold: float | None, pair) -> dict:
     """One FullSweep of the news job in this process, one range; with ``hold``: the standby's
     replay stopped after the first batch for that many seconds, WAL written past the limit."""
-    from pin_nightly import health, jobs, keyset, news
-    from pin_nightly import lease as leases
+    from pin_nightly import health, jobs, news, ranges, runs
     from pin_nightly.db import connection
 
     os.environ["AIRFLOW_CONN_NEWS_DB"] = _airflow_conn(dsn)
@@ -64,16 +64,24 @@ def _run(dsn: str, hold: float | None, pair) -> dict:
 
     t0 = time.perf_counter()
     lease_data = jobs.acquire_lease(news.JOB, opts, run_id)
-    [rng] = news.plan_ranges(opts, lease_data, run_id)
+    run = runs.Run.of(news.JOB, opts, run_id, lease_data)
+    [rng] = runs.plan(run)
     job = news.make_batch(opts, rng["sweep_id"], run_id, candidate_mode=False)
     gauge = Measured.from_opts(opts, job.writes, news.JOB.dag_id)
-    lease = leases.Lease.from_xcom(lease_data)
-    with connection(news.JOB.conn_id) as conn:
-        res = keyset.run_range(
-            conn, rng, lease, opts["batch_size"], job, on_batch=on_batch, health=gauge
-        )
-    summary = news.summarize(opts, lease_data, run_id)
-    jobs.release_lease(news.JOB, lease_data)
+    real_batch = ranges._Range.batch
+
+    def batch(self, *args, **kwargs):  # the hold starts once the first batch has committed
+        out = real_batch(self, *args, **kwargs)
+        on_batch(out[0])
+        return out
+
+    with (
+        connection(news.JOB.conn_id) as conn,
+        mock.patch.object(ranges._Range, "batch", batch),
+    ):
+        res = ranges.run_range(conn, rng, run.held(), opts["batch_size"], job, health=gauge)
+    summary = runs.summarize(run)
+    runs.release_lease(run)
     seconds = time.perf_counter() - t0
     if summary["status"] != "success":
         raise RuntimeError(f"the FullSweep did not finish: {summary}")

@@ -2,8 +2,8 @@
 retention, the write-footprint probe and the hot-path load.
 
 The job code is driven as the DAG tasks drive it, minus Airflow: ``validate_options``,
-``jobs.acquire_lease``, ``plan_ranges``, ``keyset.run_range`` with the job's ``make_batch`` in
-one worker process per range, ``summarize``, ``jobs.release_lease``.
+``jobs.acquire_lease``, ``runs.plan``, ``ranges.run_range`` with the job's ``make_batch`` in
+one worker process per range, ``runs.summarize``, ``runs.release_lease``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _pacing(paced: bool) -> dict:
 
 
 def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict:
-    from pin_nightly import jobs, news
+    from pin_nightly import jobs, news, runs
 
     instant = datetime.now(UTC)
     run_id = _run_id(instant)
@@ -128,7 +128,8 @@ def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict
     t0 = time.perf_counter()
     opts = news.validate_options({**params, "drift_alert_threshold": 10**9}, instant)
     lease = jobs.acquire_lease(news.JOB, opts, run_id)
-    ranges = news.plan_ranges(opts, lease, run_id)
+    run = runs.Run.of(news.JOB, opts, run_id, lease)
+    ranges = runs.plan(run)
     t_plan = time.perf_counter()
     mode = scope != "FullSweep"
     results = pool.run(
@@ -138,8 +139,8 @@ def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict
             for r in ranges
         ]
     )
-    summary = news.summarize(opts, lease, run_id)
-    jobs.release_lease(news.JOB, lease)
+    summary = runs.summarize(run)
+    runs.release_lease(run)
     t1 = time.perf_counter()
     if summary["status"] != "success":
         raise RuntimeError(f"news job did not finish: {summary}")
@@ -153,7 +154,7 @@ def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict
 
 
 def run_catalog(pool: Pool, n_ranges: int, paced: bool = False) -> dict:
-    from pin_nightly import catalog, jobs
+    from pin_nightly import catalog, jobs, runs
 
     instant = datetime.combine(AS_OF, dtime(3, 0), tzinfo=UTC)
     run_id = _run_id(instant)
@@ -161,16 +162,17 @@ def run_catalog(pool: Pool, n_ranges: int, paced: bool = False) -> dict:
     params = {"max_ranges": n_ranges, **BIG_BUDGET, **_pacing(paced)}
     opts = catalog.validate_options(params, instant)
     lease = jobs.acquire_lease(catalog.JOB, opts, run_id)
+    run = runs.Run.of(catalog.JOB, opts, run_id, lease)
     results, plan_s = [], 0.0
     for kind in catalog.KINDS:
         tp = time.perf_counter()
-        ranges = catalog.plan_ranges(kind, opts, lease, run_id)
+        ranges = runs.plan(run, kind)
         plan_s += time.perf_counter() - tp
         base = {"job": "catalog", "kind": kind, "lease": lease, "opts": opts, "run_id": run_id}
         results += pool.run([{**base, "rng": r} for r in ranges])
-    pruned = catalog.retention(opts, lease)
-    summary = catalog.summarize(opts, pruned, lease, run_id)
-    jobs.release_lease(catalog.JOB, lease)
+    pruned = catalog.retention(run)
+    summary = runs.summarize(run, pruned=pruned)
+    runs.release_lease(run)
     t1 = time.perf_counter()
     if summary["status"] != "success":
         raise RuntimeError(f"catalog job did not finish: {summary}")
@@ -186,15 +188,16 @@ def run_catalog(pool: Pool, n_ranges: int, paced: bool = False) -> dict:
 def run_retention() -> dict:
     """The job's retention step two nights after AS_OF: it deletes the oldest night of history,
     as every night in steady state (lease and release around it, as the DAG does)."""
-    from pin_nightly import catalog, jobs
+    from pin_nightly import catalog, jobs, runs
 
     instant = datetime.combine(AS_OF + timedelta(days=2), dtime(3, 0), tzinfo=UTC)
     opts = catalog.validate_options(dict(BIG_BUDGET), instant)
-    lease = jobs.acquire_lease(catalog.JOB, opts, _run_id(instant))
+    run_id = _run_id(instant)
+    run = runs.Run.of(catalog.JOB, opts, run_id, jobs.acquire_lease(catalog.JOB, opts, run_id))
     t0 = time.perf_counter()
-    pruned = catalog.retention(opts, lease)
+    pruned = catalog.retention(run)
     dt = time.perf_counter() - t0
-    jobs.release_lease(catalog.JOB, lease)
+    runs.release_lease(run)
     batches = pruned // catalog.RETENTION_BATCH + 1  # the last one is not full
     return {
         "seconds": dt,

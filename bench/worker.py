@@ -4,7 +4,7 @@ Started by :mod:`bench.runners` (``python -m bench.worker DSN``), one process pe
 (its own connection, made as ``PostgresHook.get_conn()`` makes it), so that its peak memory is
 its own. Protocol, JSON lines: it answers ``{"rss_kb"}`` once imported and connected; then per
 task line ``{"job", "rng", "lease", "opts", "run_id", "candidate_mode" | "kind"}`` it runs
-``pin_nightly.keyset.run_range`` with the job's ``make_batch`` and answers the range result,
+``pin_nightly.ranges.run_range`` with the job's ``make_batch`` and answers the range result,
 the per-batch transaction times, how long each transaction held row locks, and the time per
 statement (by SQL file); an empty line ends it (answer: ``{"hwm_kb"}``).
 
@@ -123,7 +123,7 @@ def main() -> None:
     import psycopg
     from psycopg.types.json import register_default_adapters
 
-    from pin_nightly import catalog, db, jobs, keyset, lease, news
+    from pin_nightly import catalog, db, lease, news, ranges, runs, sweeps
 
     labels: dict[str, str] = {}  # SQL text -> file name, as the job code asks for them
     original = db.sql
@@ -133,7 +133,7 @@ def main() -> None:
         labels[text] = name
         return text
 
-    for mod in (db, keyset, lease, news, catalog, jobs):
+    for mod in (db, ranges, sweeps, runs, lease, news, catalog):
         if hasattr(mod, "sql"):
             mod.sql = named
     raw = psycopg.connect(sys.argv[1])
@@ -148,14 +148,14 @@ def main() -> None:
             break
         task = json.loads(line)
         prof.reset()
-        lease, opts = jobs.lease_from_xcom(task["lease"]), task["opts"]
+        lease, opts = runs.Run.of(news.JOB, {}, "", task["lease"]).held(), task["opts"]
         if task["job"] == "news":
             batch = news.make_batch(
                 opts, task["rng"]["sweep_id"], task["run_id"], candidate_mode=task["candidate_mode"]
             )
         else:
             batch = catalog.make_batch(task["kind"], opts, task["rng"]["sweep_id"], task["run_id"])
-        res = keyset.run_range(conn, task["rng"], lease, opts["batch_size"], batch)
+        res = ranges.run_range(conn, task["rng"], lease, opts["batch_size"], batch)
         raw.execute("SELECT pg_stat_force_next_flush()")  # WAL statistics, for the footprint
         raw.commit()
         send(

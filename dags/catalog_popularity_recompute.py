@@ -64,7 +64,7 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
 
-from pin_nightly import catalog, jobs
+from pin_nightly import catalog, jobs, runs
 from pin_nightly.deadlines import deadline_alerts
 
 POOL = "catalog_popularity_recompute"
@@ -113,27 +113,30 @@ with DAG(
 
     @task(pool=POOL)
     def plan(kind: str, opts: dict, lease: dict, run_id=None) -> list[dict]:
-        return catalog.plan_ranges(kind, opts, lease, run_id)
+        return runs.plan(runs.Run.of(catalog.JOB, opts, run_id, lease), kind)
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
-    def recompute(kind: str, rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
+    def recompute(kind: str, rng: dict, opts: dict, lease: dict, run_id=None) -> dict:  # noqa: ARG001
+        # the range's own pass (rng["family"]) is worked: tonight's order may differ from kind
         get_current_context()["range_label"] = rng["label"]
-        return catalog.recompute_range(kind, rng, opts, lease, run_id)
+        return runs.work_range(runs.Run.of(catalog.JOB, opts, run_id, lease), rng)
 
     # The lease is pulled here rather than passed: a task right after the setup task must have
     # the trigger rule all_success, and these must also run after ranges that skipped.
     @task(pool=POOL, trigger_rule="none_failed")
-    def retention(opts: dict, ti=None) -> int:
-        return catalog.retention(opts, ti.xcom_pull(task_ids="acquire_lease"))
+    def retention(opts: dict, run_id=None, ti=None) -> int:
+        lease = ti.xcom_pull(task_ids="acquire_lease")
+        return catalog.retention(runs.Run.of(catalog.JOB, opts, run_id, lease))
 
     @task(pool=POOL, trigger_rule="none_failed")
     def summarize(opts: dict, pruned: int | None, run_id=None, ti=None) -> dict:
-        return catalog.summarize(opts, pruned, ti.xcom_pull(task_ids="acquire_lease"), run_id)
+        lease = ti.xcom_pull(task_ids="acquire_lease")
+        return runs.summarize(runs.Run.of(catalog.JOB, opts, run_id, lease), pruned=pruned)
 
     @teardown
     @task(pool=POOL)
-    def release_lease(lease: dict | None) -> bool:
-        return jobs.teardown(catalog.JOB, lease, catalog.emit_state)
+    def release_lease(lease: dict | None, run_id=None) -> bool:
+        return runs.teardown(runs.Run.of(catalog.JOB, {}, run_id, lease))  # needs the lease only
 
     # An asset event when the run completed both passes of its date (skipped, no event, otherwise)
     @task(pool=POOL, outlets=[catalog.SCORES_ASSET])

@@ -56,7 +56,7 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
 
-from pin_nightly import jobs, news
+from pin_nightly import jobs, news, runs
 from pin_nightly.deadlines import deadline_alerts
 
 POOL = "news_comment_reconcile"
@@ -103,23 +103,24 @@ with DAG(
 
     @task(pool=POOL)
     def plan_ranges(opts: dict, lease: dict, run_id=None) -> list[dict]:
-        return news.plan_ranges(opts, lease, run_id)
+        return runs.plan(runs.Run.of(news.JOB, opts, run_id, lease))
 
     @task(pool=POOL, map_index_template="{{ range_label }}")
     def reconcile_range(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
         get_current_context()["range_label"] = rng["label"]
-        return news.reconcile_range(rng, opts, lease, run_id)
+        return runs.work_range(runs.Run.of(news.JOB, opts, run_id, lease), rng)
 
     # The lease is pulled here rather than passed: a task right after the setup task must have
     # the trigger rule all_success, and the summary must also run after ranges that skipped.
     @task(pool=POOL, trigger_rule="none_failed")
     def summarize(opts: dict, run_id=None, ti=None) -> dict:
-        return news.summarize(opts, ti.xcom_pull(task_ids="acquire_lease"), run_id)
+        lease = ti.xcom_pull(task_ids="acquire_lease")
+        return runs.summarize(runs.Run.of(news.JOB, opts, run_id, lease))
 
     @teardown
     @task(pool=POOL)
-    def release_lease(lease: dict | None) -> bool:
-        return jobs.teardown(news.JOB, lease, news.emit_state)
+    def release_lease(lease: dict | None, run_id=None) -> bool:
+        return runs.teardown(runs.Run.of(news.JOB, {}, run_id, lease))  # needs the lease only
 
     # An asset event when the run completed its sweep (skipped, no event, otherwise)
     @task(pool=POOL, outlets=[news.COUNTS_ASSET])

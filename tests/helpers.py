@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from unittest import mock
 
 import psycopg
 import pytest
@@ -105,6 +107,24 @@ def inject(monkeypatch, target: str, how: str, kind: str | None = None) -> dict:
 
     monkeypatch.setattr(module, attr, wrapper)
     return state
+
+
+@contextlib.contextmanager
+def after_each_batch(fn):
+    """Call ``fn(batch)`` after each batch of a range that read rows, once its transaction has
+    committed (as a concurrent session would act between two batches)."""
+    from pin_nightly import ranges
+
+    real = ranges._Range.batch
+
+    def batch(self, *args, **kwargs):
+        b, renew_due = real(self, *args, **kwargs)
+        if b is not None and b.last_id is not None:
+            fn(b)
+        return b, renew_due
+
+    with mock.patch.object(ranges._Range, "batch", batch):
+        yield
 
 
 class NewsDB:

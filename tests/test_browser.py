@@ -24,7 +24,7 @@ from urllib.parse import quote, unquote
 import psycopg
 import pytest
 
-from pin_nightly.keyset import range_label
+from pin_nightly.sweeps import range_label
 from tests import helpers
 from tests.conftest import SUFFIX
 from tools import devenv

@@ -202,7 +202,7 @@ def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
     """Retention deletes a few snapshots a transaction and paces before each batch as a range
     does: while a VACUUM runs on the snapshot table it deletes nothing; once the VACUUM is
     cancelled it deletes every snapshot past the horizon, and none it keeps."""
-    from pin_nightly import catalog, jobs
+    from pin_nightly import catalog, runs
 
     cards = [catalog_db.card(views=100) for _ in range(3)]
     for cid in cards:
@@ -216,10 +216,10 @@ def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
     seen: dict = {}
     watcher = vacuum.cancel_after(1.5, lambda: seen.update(during=_old_snapshots(catalog_db)))
     try:
-        pruned = catalog.retention(opts, lease)
+        pruned = catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease))
     finally:
         watcher.join(15)
-        jobs.release_lease(catalog.JOB, lease)
+        runs.release_lease(runs.Run.of(catalog.JOB, {}, "", lease))
     assert seen["during"] == old  # nothing deleted while the VACUUM ran
     assert pruned == old and _old_snapshots(catalog_db) == 0
     for cid in cards:
@@ -237,7 +237,7 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
     """A VACUUM that outlasts the run's deadline: retention deletes only the oldest night past
     the horizon (the table never grows by more than a night), the run is not failed, and a
     later retention prunes everything else past the horizon."""
-    from pin_nightly import catalog, jobs
+    from pin_nightly import catalog, runs
 
     cid = catalog_db.card(views=100)
     for age in range(1, 41):
@@ -250,10 +250,10 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
         catalog.JOB.lock_key,
     )
     try:
-        assert catalog.retention(opts, lease) == 1
+        assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 1
     finally:
         vacuum.cancel()
-        jobs.release_lease(catalog.JOB, lease)
+        runs.release_lease(runs.Run.of(catalog.JOB, {}, "", lease))
     text = capfd.readouterr().out + caplog.text
     assert "retention: budget spent while paused (vacuum=running" in text
     oldest = D - timedelta(days=40)
@@ -261,9 +261,9 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
     assert _old_snapshots(catalog_db) == 7 and oldest not in dict(catalog_db.snapshots(cid))
     opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-next")
     try:
-        assert catalog.retention(opts, lease) == 7
+        assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 7
     finally:
-        jobs.release_lease(catalog.JOB, lease)
+        runs.release_lease(runs.Run.of(catalog.JOB, {}, "", lease))
     assert _old_snapshots(catalog_db) == 0
 
 
@@ -273,7 +273,7 @@ def test_retention_failing_between_batches_keeps_what_it_deleted_and_its_retry_p
     """The connection lost after retention's second batch committed: the task fails, the two
     batches stay deleted and nothing else is; run again (the task cleared), retention prunes
     exactly the rest."""
-    from pin_nightly import catalog, jobs
+    from pin_nightly import catalog, runs
     from pin_nightly.db import DatabaseUnavailable
 
     cards = [catalog_db.card(views=100) for _ in range(3)]
@@ -295,12 +295,12 @@ def test_retention_failing_between_batches_keeps_what_it_deleted_and_its_retry_p
     opts, lease = _retention_lease({}, "retention-fails")
     try:
         with pytest.raises(DatabaseUnavailable):
-            catalog.retention(opts, lease)
+            catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease))
         assert _old_snapshots(catalog_db) == 24 - 2 * 5
         monkeypatch.setattr(catalog.leases, "fence", real_fence)
-        assert catalog.retention(opts, lease) == 24 - 2 * 5
+        assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 24 - 2 * 5
     finally:
-        jobs.release_lease(catalog.JOB, lease)
+        runs.release_lease(runs.Run.of(catalog.JOB, {}, "", lease))
     assert _old_snapshots(catalog_db) == 0
     assert catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views") == kept
 
@@ -386,7 +386,7 @@ def test_scores_match_an_independent_computation_over_a_random_month(catalog_db)
 
 def _cards_and_sweep(catalog_db, n: int, batch_size: int):
     """n cards, a lease and a planned two-range sweep, as the DAG's tasks would make them."""
-    from pin_nightly import catalog, jobs, keyset
+    from pin_nightly import catalog, jobs, sweeps
     from pin_nightly import lease as leases
     from pin_nightly.db import connection
 
@@ -402,18 +402,17 @@ def _cards_and_sweep(catalog_db, n: int, batch_size: int):
     with connection("catalog_db") as conn:
         jobs.preflight(conn, catalog.JOB)
         lease = leases.acquire(conn, catalog.JOB.lock_key, "test/parallel", 10, 5)
-        spec = keyset.SweepSpec(
+        spec = sweeps.SweepSpec(
             job=catalog.JOB.code,
             family="PropertyObject",
-            resumable=True,
             as_of_date=str(D),
         )
-        sweep = keyset.open_sweep(
+        sweep = sweeps.open_sweep(
             conn,
             spec,
             lease,
             "test/parallel",
-            lambda cur, s: keyset.boundaries(
+            lambda cur, s: sweeps.boundaries(
                 cur,
                 catalog.card_sql("source", "PropertyObject").strip(),
                 {"targeted": False, "card_ids": []},
@@ -421,11 +420,12 @@ def _cards_and_sweep(catalog_db, n: int, batch_size: int):
                 2,
             ),
         )
-    return ids, opts, lease, keyset.range_descriptors(sweep, "PropertyObject")
+    return ids, opts, lease, sweeps.range_descriptors(sweep, "PropertyObject")
 
 
 def test_two_parallel_workers_recompute_each_card_exactly_once(catalog_db):
-    from pin_nightly import catalog, keyset
+    from pin_nightly import catalog
+    from pin_nightly import ranges as keyset_ranges
     from pin_nightly.db import connection
 
     ids, opts, lease, ranges = _cards_and_sweep(catalog_db, 400, 25)
@@ -436,7 +436,7 @@ def test_two_parallel_workers_recompute_each_card_exactly_once(catalog_db):
         try:
             with connection("catalog_db") as conn:
                 results.append(
-                    keyset.run_range(
+                    keyset_ranges.run_range(
                         conn,
                         rng,
                         lease,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from datetime import UTC, datetime, timedelta
 
-from pin_nightly import keyset
+from pin_nightly import ranges
 from tests.helpers import (
     InjectedFault,
     assert_ok,
@@ -29,7 +29,7 @@ def graceful_stop_after(monkeypatch, db, batches: int, kind: str | None = None) 
     """The README's graceful stop (``run_deadline_at = now()``), made after ``batches`` batches
     of card kind ``kind`` (any kind, or news, when None) of each run: once the batch has
     committed, so that no batch waits for it. Returns the count of batches that read rows."""
-    real = keyset._Range.batch
+    real = ranges._Range.batch
     seen = {"batches": 0}
 
     @functools.wraps(real)
@@ -42,7 +42,7 @@ def graceful_stop_after(monkeypatch, db, batches: int, kind: str | None = None) 
                 db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = now()")
         return out
 
-    monkeypatch.setattr(keyset._Range, "batch", batch)
+    monkeypatch.setattr(ranges._Range, "batch", batch)
     return seen
 
 

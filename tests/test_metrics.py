@@ -103,16 +103,17 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
 FAILURES = textwrap.dedent("""
     # the test session's Airflow environment, inherited
     from tools.rundag import run_dag
-    from pin_nightly import catalog, news
+    from pin_nightly import runs
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    real_plan, real_summarize = news.plan_ranges, catalog.summarize
-    news.plan_ranges, catalog.summarize = broken, broken
+    real_plan, real_summarize = runs.plan, runs.summarize
+    runs.plan = broken
     assert run_dag("news_comment_reconcile", {{"scope": "FullSweep"}})["state"] == "failed"
+    runs.plan, runs.summarize = real_plan, broken
     assert run_dag("catalog_popularity_recompute", {{}})["state"] == "failed"
-    news.plan_ranges, catalog.summarize = real_plan, real_summarize
+    runs.summarize = real_summarize
     # a run that stops at its time budget ends green but is not a success
     r = run_dag("news_comment_reconcile", {{"scope": "FullSweep", "batch_size": 1,
                                           "max_run_duration_minutes": 0.0001}})

@@ -63,17 +63,17 @@ SOAK = settings(
 # where a run may fail: (function wrapped, how it fails, card kind) -- see helpers.inject
 FAULTS = {
     "catalog": {
-        "plan_before": ("pin_nightly.catalog.plan_ranges", "before", None),
+        "plan_before": ("pin_nightly.runs.plan", "before", None),
         "mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "PropertyObject"),
         "projects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "Project"),
-        "range_after_work": ("pin_nightly.keyset.run_range", "after", None),
-        "summarize_before": ("pin_nightly.catalog.summarize", "before", None),
+        "range_after_work": ("pin_nightly.ranges.run_range", "after", None),
+        "summarize_before": ("pin_nightly.runs.summarize", "before", None),
     },
     "news": {
-        "plan_before": ("pin_nightly.news.plan_ranges", "before", None),
+        "plan_before": ("pin_nightly.runs.plan", "before", None),
         "mid_batch": ("pin_nightly.news.make_batch", "mid_batch", None),
-        "range_after_work": ("pin_nightly.keyset.run_range", "after", None),
-        "summarize_before": ("pin_nightly.news.summarize", "before", None),
+        "range_after_work": ("pin_nightly.ranges.run_range", "after", None),
+        "summarize_before": ("pin_nightly.runs.summarize", "before", None),
     },
 }
 CLEARS = ["failed_tasks", "only_failed", "whole_run"]

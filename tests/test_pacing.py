@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from tests.conftest import SUFFIX
-from tests.helpers import NewsDB, SlowVacuum, assert_ok, skip_module, wait_for
+from tests.helpers import NewsDB, SlowVacuum, after_each_batch, assert_ok, skip_module, wait_for
 from tools import devenv
 
 NEWS = "news_comment_reconcile"
@@ -141,8 +141,8 @@ def write_wal(db: NewsDB, mb: float) -> None:
 
 def range_of(db: NewsDB, batch_size: int, limits: dict, run: str = "pace-run"):
     """A FullSweep range of the news job on ``db`` with ``limits``; returns a function that
-    works it with keyset.run_range and returns its result."""
-    from pin_nightly import jobs, keyset, news
+    works it with ranges.run_range and returns its result."""
+    from pin_nightly import jobs, news, ranges, sweeps
     from pin_nightly import lease as leases
     from pin_nightly.db import connection, sql
 
@@ -151,21 +151,22 @@ def range_of(db: NewsDB, batch_size: int, limits: dict, run: str = "pace-run"):
             jobs.preflight(conn, news.JOB)
             lease = leases.acquire(conn, news.JOB.lock_key, f"{NEWS}/{run}", max_run * 2, max_run)
             assert isinstance(lease, leases.Lease), lease
-            spec = keyset.SweepSpec(job=news.JOB.code, family="FullSweep", resumable=True)
-            sweep = keyset.open_sweep(
+            spec = sweeps.SweepSpec(job=news.JOB.code, family="FullSweep")
+            sweep = sweeps.open_sweep(
                 conn,
                 spec,
                 lease,
                 run,
-                lambda cur, s: keyset.boundaries(
+                lambda cur, s: sweeps.boundaries(
                     cur, sql("news/full_source").strip(), {"sweep_id": s["sweep_id"]}, 10, 1
                 ),
             )
-            [rng] = keyset.range_descriptors(sweep, "FullSweep")
+            [rng] = sweeps.range_descriptors(sweep, "FullSweep")
             opts = {**news.DEFAULTS, **limits, "batch_size": batch_size}
             opts["effective_scope"] = "FullSweep"
             job = news.make_batch(opts, sweep["sweep_id"], run, candidate_mode=False)
-            return keyset.run_range(conn, rng, lease, batch_size, job, on_batch=on_batch)
+            with after_each_batch(on_batch or (lambda _b: None)):
+                return ranges.run_range(conn, rng, lease, batch_size, job)
 
     return work
 
@@ -469,8 +470,8 @@ def test_both_jobs_have_the_pace_params_and_catalog_watches_its_tables(scheduler
 
     for dag_id in (NEWS, "catalog_popularity_recompute"):
         params = scheduler_dag(dag_id).params
-        for name, (_, default) in health.PARAMS.items():
-            assert params[name] == default, (dag_id, name)
+        for lim in health.LIMITS:
+            assert params[lim.param] == lim.default, (dag_id, lim.param)
         assert params[health.REPLICAS_PARAM] == []
     assert health.Health.from_opts(OFF).on is False
     assert health.Health.from_opts({}).limits == {

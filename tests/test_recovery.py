@@ -139,7 +139,7 @@ def test_news_a_sweep_whose_summary_never_ran_does_not_park_later_drift(
     conf = {"scope": scope, "batch_size": 2}
     assert run_dag(NEWS, conf)["summary"]["status"] == "success"
     _hide_one_comment(news_db, ids[0])
-    inject(monkeypatch, "pin_nightly.news.summarize", "before")
+    inject(monkeypatch, "pin_nightly.runs.summarize", "before")
     dead = run_dag(NEWS, conf)
     assert dead["state"] == "failed" and dead["tasks"]["summarize"] == "failed"
     assert news_db.drifted_posts() == 0  # every range finished before the summary died
@@ -277,11 +277,11 @@ MONDAY = datetime(2026, 11, 30, 0, 0, tzinfo=UTC)  # auto = DailyWindow
 NEWS_POINTS = {
     "validate_options": ("pin_nightly.news.validate_options", "before"),
     "acquire_lease": ("pin_nightly.lease.acquire", "after"),
-    "plan_ranges": ("pin_nightly.news.plan_ranges", "after"),
+    "plan_ranges": ("pin_nightly.runs.plan", "after"),
     "range_mid_batch": ("pin_nightly.news.make_batch", "mid_batch"),
-    "range_before_return": ("pin_nightly.keyset.run_range", "after"),
-    "summarize": ("pin_nightly.news.summarize", "before"),
-    "release_lease": ("pin_nightly.jobs.teardown", "before"),
+    "range_before_return": ("pin_nightly.ranges.run_range", "after"),
+    "summarize": ("pin_nightly.runs.summarize", "before"),
+    "release_lease": ("pin_nightly.runs.teardown", "before"),
 }
 NEWS_CLASSES = {
     "nothing written": ["validate_options", "acquire_lease"],
@@ -349,13 +349,13 @@ CATALOG_CONF = {"batch_size": 2, "max_ranges": 2}
 CATALOG_POINTS = {
     "validate_options": ("pin_nightly.catalog.validate_options", "before", None),
     "acquire_lease": ("pin_nightly.lease.acquire", "after", None),
-    "plan_property_objects": ("pin_nightly.catalog.plan_ranges", "after", None),
+    "plan_property_objects": ("pin_nightly.runs.plan", "after", None),
     "property_objects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "PropertyObject"),
-    "range_before_return": ("pin_nightly.keyset.run_range", "after", None),
+    "range_before_return": ("pin_nightly.ranges.run_range", "after", None),
     "projects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "Project"),
     "retention": ("pin_nightly.catalog.retention", "before", None),
-    "summarize": ("pin_nightly.catalog.summarize", "before", None),
-    "release_lease": ("pin_nightly.jobs.teardown", "before", None),
+    "summarize": ("pin_nightly.runs.summarize", "before", None),
+    "release_lease": ("pin_nightly.runs.teardown", "before", None),
 }
 CATALOG_CLASSES = {
     "nothing written": ["validate_options", "acquire_lease"],

@@ -30,6 +30,7 @@ import pytest
 
 from tests.helpers import (
     ADVISORY_KEY,
+    after_each_batch,
     assert_ok,
     bulk_posts,
     gate_waiter,
@@ -281,7 +282,7 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
 
 WORKER = textwrap.dedent("""
     import json, sys
-    from pin_nightly import jobs, keyset, news
+    from pin_nightly import jobs, news, ranges, sweeps
     from pin_nightly import lease as leases
     from pin_nightly.db import connection, sql
 
@@ -291,15 +292,15 @@ WORKER = textwrap.dedent("""
         jobs.preflight(conn, news.JOB)
         lease = leases.acquire(conn, news.JOB.lock_key, cfg["holder"], cfg["ttl"], cfg["max_run"])
         assert isinstance(lease, leases.Lease), lease
-        spec = keyset.SweepSpec(job=news.JOB.code, family="FullSweep", resumable=True)
-        sweep = keyset.open_sweep(
-            conn, spec, lease, cfg["run_id"], lambda cur, s: keyset.boundaries(
+        spec = sweeps.SweepSpec(job=news.JOB.code, family="FullSweep")
+        sweep = sweeps.open_sweep(
+            conn, spec, lease, cfg["run_id"], lambda cur, s: sweeps.boundaries(
                 cur, sql("news/full_source").strip(), {{"sweep_id": s["sweep_id"]}},
                 cfg["batch_size"], 1))
-        [rng] = keyset.range_descriptors(sweep, "FullSweep")
+        [rng] = sweeps.range_descriptors(sweep, "FullSweep")
         job = news.make_batch(opts, sweep["sweep_id"], cfg["run_id"], candidate_mode=False)
         print("working", sweep["sweep_id"], flush=True)
-        res = keyset.run_range(conn, rng, lease, cfg["batch_size"], job)
+        res = ranges.run_range(conn, rng, lease, cfg["batch_size"], job)
         print("finished", json.dumps(res.__dict__), flush=True)
 """).format()
 
@@ -594,20 +595,20 @@ def test_job_sessions_are_bounded_unless_the_connection_bounds_them(news_db):
 
 
 def _sweep(conn, lease, run_id: str, batch_size: int):
-    from pin_nightly import keyset, news
+    from pin_nightly import news, sweeps
     from pin_nightly.db import sql
 
-    spec = keyset.SweepSpec(job=news.JOB.code, family="FullSweep", resumable=True)
-    sweep = keyset.open_sweep(
+    spec = sweeps.SweepSpec(job=news.JOB.code, family="FullSweep")
+    sweep = sweeps.open_sweep(
         conn,
         spec,
         lease,
         run_id,
-        lambda cur, s: keyset.boundaries(
+        lambda cur, s: sweeps.boundaries(
             cur, sql("news/full_source").strip(), {"sweep_id": s["sweep_id"]}, batch_size, 1
         ),
     )
-    [rng] = keyset.range_descriptors(sweep, "FullSweep")
+    [rng] = sweeps.range_descriptors(sweep, "FullSweep")
     opts = {**news.DEFAULTS, "batch_size": batch_size, "effective_scope": "FullSweep"}
     return rng, news.make_batch(opts, sweep["sweep_id"], run_id, candidate_mode=False)
 
@@ -615,7 +616,7 @@ def _sweep(conn, lease, run_id: str, batch_size: int):
 def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db):
     """After the slow worker's first batch its lease expires and another holder acquires it:
     the worker's next batch raises LeaseLost before writing anything."""
-    from pin_nightly import jobs, keyset, news
+    from pin_nightly import jobs, news, ranges
     from pin_nightly import lease as leases
     from pin_nightly.db import connection
     from pin_nightly.lease import LeaseLost
@@ -634,8 +635,11 @@ def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db
         jobs.preflight(conn, news.JOB)
         lease = leases.acquire(conn, NEWS_KEY, "slow-worker/run-1", 10, 5)
         rng, batch = _sweep(conn, lease, "slow-run-1", 10)
-        with pytest.raises(LeaseLost, match="expired or was taken over"):
-            keyset.run_range(conn, rng, lease, 10, batch, on_batch=take_over)
+        with (
+            after_each_batch(take_over),
+            pytest.raises(LeaseLost, match="expired or was taken over"),
+        ):
+            ranges.run_range(conn, rng, lease, 10, batch)
     assert isinstance(taken[0], leases.Lease) and taken[0].token > lease.token
     assert news_db.q("SELECT holder FROM pin_nightly.job_lease") == [("other-deployment/run-2",)]
     assert news_db.q("SELECT cursor_id::text, batches FROM pin_nightly.sweep_range") == [
@@ -650,7 +654,7 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
     Another holder's acquisition waits for that batch (the fence holds the lease row FOR
     SHARE), so the two never write at the same time; then the worker stops with LeaseLost
     before its third batch."""
-    from pin_nightly import jobs, keyset, news
+    from pin_nightly import jobs, news, ranges
     from pin_nightly import lease as leases
     from pin_nightly.db import connection
     from pin_nightly.lease import LeaseLost
@@ -668,7 +672,7 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
                 lease = leases.acquire(conn, NEWS_KEY, "slow-worker/run-1", 0.03, 0.02)
                 outcome["lease"] = lease
                 rng, batch = _sweep(conn, lease, "slow-run-1", 10)
-                outcome["result"] = keyset.run_range(conn, rng, lease, 10, batch)
+                outcome["result"] = ranges.run_range(conn, rng, lease, 10, batch)
         except BaseException as exc:  # noqa: BLE001
             outcome["error"] = exc
 

@@ -135,7 +135,7 @@ def test_two_deployments_on_one_slot_one_works_the_other_is_skipped(dag_id, news
 def test_the_second_deployment_never_releases_the_first_ones_lease(news_db):
     """A release removes only its own acquisition: the teardown of a run with the same run id
     from another deployment leaves the working run's lease in place."""
-    from pin_nightly import jobs, news
+    from pin_nightly import jobs, news, runs
 
     opts = news.validate_options({}, night(news_db.today()))
     other = {**opts, "run_tag": jobs.run_tag()}
@@ -146,12 +146,12 @@ def test_the_second_deployment_never_releases_the_first_ones_lease(news_db):
         "holder": held["holder"],
         "expires_at": refused["expires_at"],
     }
-    forged = {**held, "holder": jobs.holder_of(news.JOB, other, "scheduled__x")}
-    assert jobs.release_lease(news.JOB, forged) is False
+    forged = {**held, "holder": news.JOB.holder(other, "scheduled__x")}
+    assert runs.release_lease(runs.Run.of(news.JOB, {}, "", forged)) is False
     assert news_db.q("SELECT holder, token FROM pin_nightly.job_lease") == [
         (held["holder"], held["token"])
     ]
-    assert jobs.release_lease(news.JOB, held) is True
+    assert runs.release_lease(runs.Run.of(news.JOB, {}, "", held)) is True
 
 
 # --- a run dated in the future ----------------------------------------------------------------

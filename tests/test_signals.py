@@ -125,7 +125,7 @@ def test_a_summary_cleared_after_a_newer_run_counts_nothing_of_it(news_db, monke
     db = news_db
     assert_ok(nightly(D))
     db.posts(2, drift_every=1)
-    inject(monkeypatch, "pin_nightly.news.summarize", "before")
+    inject(monkeypatch, "pin_nightly.runs.summarize", "before")
     old = nightly(D + timedelta(1))
     assert old["tasks"]["summarize"] == "failed"
     monkeypatch.undo()

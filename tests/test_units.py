@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pin_nightly import catalog, jobs, keyset, news
+from pin_nightly import catalog, jobs, news, sweeps
 from pin_nightly.db import JobConfigError
 from tools import rundag
 
@@ -99,7 +99,7 @@ V7_2026 = "019b76da-a83a-7b33-bda8-46e4cf58440c"  # 2026-01-01 00:00:00.058 UTC
 )
 def test_range_labels(lower, upper, label):
     rng = {"prefix": "FullSweep", "range_no": 0, "lower_id": lower, "upper_id": upper}
-    assert keyset.range_label(rng) == label
+    assert sweeps.range_label(rng) == label
 
 
 @pytest.mark.parametrize(
@@ -189,11 +189,11 @@ def test_a_cut_sweep_leaves_every_ranges_tail_first_in_the_next_plan():
         _range("d", "f", cursor="e"),
         _range("f", None, cursor="g"),
     ]
-    unreached, reached = keyset.coverage(previous)
+    unreached, reached = sweeps.coverage(previous)
     assert unreached == [("a", "b"), ("c", "d"), ("e", "f"), ("g", None)]
     assert reached == [(None, "a"), ("b", "c"), ("d", "e"), ("f", "g")]
     fresh = [(None, "b"), ("b", "d"), ("d", "f"), ("f", None)]
-    out = keyset.rotated(fresh, unreached, reached)
+    out = sweeps.rotated(fresh, unreached, reached)
     assert [(a, b) for a, b, _, u in out if u] == unreached
     assert [u for *_, u in out] == [True] * 4 + [False] * 4
     _covers_the_keyset_once(out)
@@ -208,9 +208,9 @@ def test_one_slot_rotation_goes_on_where_the_queue_stopped():
         _range("d", "f"),
         _range("f", None),
     ]
-    unreached, reached = keyset.coverage(previous)
+    unreached, reached = sweeps.coverage(previous)
     assert unreached == [("c", None)] and reached == [(None, "c")]
-    out = keyset.rotated([(None, "b"), ("b", "d"), ("d", "f"), ("f", None)], unreached, reached)
+    out = sweeps.rotated([(None, "b"), ("b", "d"), ("d", "f"), ("f", None)], unreached, reached)
     assert [(a, b) for a, b, *_ in out] == [("c", "d"), ("d", "f"), ("f", None), (None, "b")] + [
         ("b", "c")
     ]
@@ -219,7 +219,7 @@ def test_one_slot_rotation_goes_on_where_the_queue_stopped():
 
 def test_a_rotated_range_of_an_earlier_release_is_read_as_it_ran():
     # (wrap_at, upper] first, then (lower, wrap_at]: cut before and after the wrap
-    before = keyset.coverage([_range("b", "f", cursor="e", wrap_at="d"), _range("f", None)])
+    before = sweeps.coverage([_range("b", "f", cursor="e", wrap_at="d"), _range("f", None)])
     assert before == ([("e", "f"), ("b", "d"), ("f", None)], [("d", "e")])
-    after = keyset.coverage([_range(None, "f", cursor="b", wrap_at="d", wrapped=True)])
+    after = sweeps.coverage([_range(None, "f", cursor="b", wrap_at="d", wrapped=True)])
     assert after == ([("b", "d")], [(None, "b"), ("d", "f")])

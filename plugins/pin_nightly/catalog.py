@@ -10,7 +10,6 @@ the score changes.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -20,19 +19,11 @@ import pendulum
 from airflow.sdk import Asset, Param
 
 from pin_nightly import health as healths
-from pin_nightly import jobs, keyset, metrics
+from pin_nightly import jobs, metrics, ranges, runs, sweeps
 from pin_nightly import lease as leases
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
-from pin_nightly.jobs import (
-    LOCK_HELD,
-    JobDef,
-    elapsed_ms,
-    lease_from_xcom,
-    parse_uuids,
-    rejoin_lease,
-    release_lease,
-    run_range_task,
-)
+from pin_nightly.jobs import parse_uuids
+from pin_nightly.runs import LOCK_HELD
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +52,67 @@ CARD_KINDS = (
 KINDS: dict[str, CardKind] = {k.name: k for k in CARD_KINDS}
 CARD_COLUMNS = ["id", "status", "popularity_views", "popularity_score", "updated_at"]
 
-JOB = JobDef(
+
+class Popularity(jobs.Job):
+    """The recompute's part of a run (see :class:`jobs.Job`): a pass per card kind."""
+
+    def tonight(self, conn, run: runs.Run, part: str | None) -> runs.Pass | None:
+        return _tonight(conn, run, part)
+
+    def worker(self, run: runs.Run, rng: dict[str, Any]) -> Recompute:
+        # the pass its planning task opened: tonight's order may differ from the DAG's
+        return make_batch(rng["family"], run.opts, rng["sweep_id"], run.run_id)
+
+    def guard(self, cur, run: runs.Run) -> str | None:
+        return _backfill_guard(cur, run.opts)
+
+    def result(self, run: runs.Run, **given: Any) -> dict[str, Any]:
+        return {
+            "as_of_date": run.opts["as_of_date"],
+            **{f"{k.result}_{n}": 0 for n in PER_KIND for k in CARD_KINDS},
+            "snapshots_written": 0,
+            "snapshots_pruned": given.get("pruned") or 0,
+            "scores_as_of_date": None,
+            "score_staleness_hours": None,
+            "targeted": bool(run.opts["card_ids"]),
+            "resumed": False,
+        }
+
+    def count(self, run: runs.Run, totals, result: dict[str, Any]) -> None:
+        for t in totals:
+            c = t["counters"]
+            for n, count in PER_KIND.items():
+                result[f"{KINDS[t['family']].result}_{n}"] += getattr(c, count)
+            result["snapshots_written"] += c.written
+            result["item_errors"] += c.item_errors
+        result["resumed"] = runs.resumed(totals, run.lease)
+
+    def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:
+        _settle(conn, run.opts, result)
+
+    def signals(self, run: runs.Run, result, cur, window, nightly: bool) -> runs.Signals:  # noqa: ARG002
+        return _signals(run.opts, result, window)
+
+    def emit_state(self, conn) -> None:
+        _emit_state(conn)
+
+
+JOB = Popularity(
     code="catalog-popularity-recompute",
     dag_id="catalog_popularity_recompute",
     conn_id="catalog_db",
     lock_key="Pin:lock:job:scheduled:catalog-popularity-recompute",
+    metric=METRIC,
     domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
     owned_ddl=[
         ("pin_nightly.run_signal", "schema/pin_nightly"),
         ("catalog.popularity_daily_views", "schema/catalog_popularity"),
     ],
+    completed="run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
+    "ProjectCardsUpdated=%(project_cards_updated)s "
+    "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
+    "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
+    "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
 )
 
 # Published when a run completed both passes of its as_of_date: other teams' DAGs schedule on
@@ -205,56 +247,35 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
     return None
 
 
-def plan_ranges(
-    kind: str, opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
-) -> list[dict[str, Any]]:
-    """Open (or adopt) the sweep of the pass the DAG's pass of ``kind`` runs tonight (see
-    :func:`pass_order`) for as_of_date; return its ranges."""
-    lease = lease_from_xcom(lease_data)
-    if lease is None:
-        log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
-        return []
-    with connection(JOB.conn_id) as conn:
-        with transaction(conn) as cur:
-            why = _backfill_guard(cur, opts)
-            order = pass_order(cur, opts)
-        if why is not None:
-            log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
-            return []
+def _tonight(conn, run: runs.Run, kind: str) -> runs.Pass | None:
+    """The pass the DAG's planning task of ``kind`` opens tonight (see :func:`pass_order`)
+    for as_of_date, with its share of the run's budget; None when the run may write nothing."""
+    opts = run.opts
+    with transaction(conn) as cur:
+        why = _backfill_guard(cur, opts)
+        order = pass_order(cur, opts)
         family = order[[k.name for k in CARD_KINDS].index(kind)]
-        if family != kind:
-            log.info(
-                "the %s pass is behind (its pass of the night before did not finish): it "
-                "goes first tonight, passes %s",
-                order[0],
-                " then ".join(order),
-            )
-        job = Recompute(opts, None, run_id, family)
-        sweep = keyset.open_sweep(conn, _spec(family, opts), lease, run_id, job.plan)
-        with transaction(conn) as cur:
-            share = budget_share(cur, order[order.index(family) :], job.source)
-    ranges = keyset.range_descriptors(sweep, family)
-    for r in ranges:
-        r["budget_share"] = share
-    if share < 1:
+        worker = Recompute(opts, None, run.run_id, family)
+        share = budget_share(cur, order[order.index(family) :], worker.source)
+    if why is not None:
+        log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
+        return None
+    if family != kind:
         log.info(
-            "%s pass: at most %.0f%% of the run's budget (its share of the cards); the rest "
-            "is the later passes'",
-            family,
-            share * 100,
+            "the %s pass is behind (its pass of the night before did not finish): it goes "
+            "first tonight, passes %s",
+            order[0],
+            " then ".join(order),
         )
-    return ranges
+    return runs.Pass(_spec(family, opts), worker, family, share)
 
 
-def _spec(family: str, opts: dict[str, Any]) -> keyset.SweepSpec:
-    """The sweep of a pass: a nightly one may be resumed (its cards not reached go first the
+def _spec(family: str, opts: dict[str, Any]) -> sweeps.SweepSpec:
+    """The sweep of a pass: a real one may be resumed (its cards not reached go first the
     next night); a targeted repair or a dry run may not."""
-    resumable = not opts["card_ids"] and not opts["dry_run"]
-    return keyset.SweepSpec(
+    return sweeps.SweepSpec(
         job=JOB.code,
         family=family,
-        resumable=resumable,
-        rotate=resumable,
         as_of_date=opts["as_of_date"],
         targeted=bool(opts["card_ids"]),
         dry_run=opts["dry_run"],
@@ -316,12 +337,13 @@ def formula_variant(opts: dict[str, Any]) -> str:
 
 
 @dataclass
-class Recompute(keyset.SweepJob):
+class Recompute(ranges.Worker):
     """The snapshot and rescore of one sweep's cards of ``kind`` (all of them, or the run's
     ``card_ids``): per batch, ``catalog/compute`` (no row lock), then ``catalog/apply`` (the
     batch's row locks and all its writes, one statement)."""
 
     kind: str
+    dag_id = "catalog_popularity_recompute"
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -339,15 +361,15 @@ class Recompute(keyset.SweepJob):
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:  # noqa: ARG002
         source_sql = card_sql("source", self.kind).strip()
-        return keyset.boundaries(
+        return sweeps.boundaries(
             cur, source_sql, self.source, self.opts["batch_size"], self.opts["max_ranges"]
         )
 
-    def batch(self, cur, after_id, upper_id, limit: int) -> keyset.Batch:
+    def batch(self, cur, after_id, upper_id, limit: int) -> ranges.Batch:
         bounds = {"after_id": after_id, "upper_id": upper_id, "limit": limit, **self.source}
         return self._write(cur, self._compute(cur, bounds), limit)
 
-    def retry(self, cur, ids: list[str]) -> keyset.Batch:
+    def retry(self, cur, ids: list[str]) -> ranges.Batch:
         bounds = {"after_id": None, "upper_id": None, "limit": len(ids)}
         rows = self._compute(cur, {**bounds, "targeted": True, "card_ids": ids})
         if rows:  # wait for their locks (lock_timeout), then write as a batch does
@@ -374,15 +396,15 @@ class Recompute(keyset.SweepJob):
         cur.execute(card_sql("compute", self.kind), {**bounds, **self.formula})
         return fetch_dicts(cur)
 
-    def _write(self, cur, rows: list[dict[str, Any]], limit: int) -> keyset.Batch:
+    def _write(self, cur, rows: list[dict[str, Any]], limit: int) -> ranges.Batch:
         """Statement 2 for the cards statement 1 read: write the values computed for them in
         one statement that locks them SKIP LOCKED after its snapshot upsert and before its score
-        writes (card by card when one card makes it fail, see keyset.isolate_items); the cards
+        writes (card by card when one card makes it fail, see ranges.isolate_items); the cards
         it did not lock get their snapshot put back (``catalog/unapply``). The batch's row locks
         are held from there to the commit."""
         kind, opts = self.kind, self.opts
         if not rows:
-            return keyset.Batch(keyset.Counters())
+            return ranges.Batch(ranges.Counters())
         poison = [r for r in rows if r["views"] is None or r["views"] < 0]
         for r in poison:
             log.error(
@@ -413,7 +435,7 @@ class Recompute(keyset.SweepJob):
                     cur.execute(card_sql("unapply", kind), undo)
                 return res
 
-            parts, failed = keyset.isolate_items(
+            parts, failed = ranges.isolate_items(
                 cur, list(valid), apply, JOB.code, self.run_id, self.sweep_id, "card_id"
             )
             for p in parts:
@@ -434,8 +456,8 @@ class Recompute(keyset.SweepJob):
         errors = len(poison) + len(failed) + len(out["overflow_ids"])
         processed = out["cards_locked"] + len(poison) + len(failed)
         log.debug("batch %s: rows=%d updated=%d", kind, processed, out["cards_updated"])
-        return keyset.Batch(
-            keyset.Counters(
+        return ranges.Batch(
+            ranges.Counters(
                 processed=processed,
                 changed=out["cards_updated"],
                 written=out["cards_locked"],  # each card locked got its snapshot
@@ -452,20 +474,6 @@ def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str) -> R
     return Recompute(opts, sweep_id, run_id, kind)
 
 
-def recompute_range(
-    kind: str, rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
-) -> dict[str, Any]:
-    """One mapped task: snapshot and rescore the cards of a keyset range (of the pass its
-    planning task opened, ``rng["family"]``: tonight's order may differ from the DAG's). A
-    range of a run that may write nothing any more (a newer date has a pass or snapshots: a
-    late clear of an old night) writes nothing, as the run's planning does."""
-    kind = rng.get("family", kind)
-    job = make_batch(kind, opts, rng["sweep_id"], run_id)
-    span = {"pin.card_kind": kind}
-    guard = functools.partial(_backfill_guard, opts=opts)
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id, span, guard=guard)
-
-
 def retention_days(opts: dict[str, Any]) -> int:
     """Days of history retention keeps (plus 2): never fewer than the nightly window needs, so
     that a manual run with a smaller ``window_days`` cannot prune what tomorrow's scheduled run
@@ -476,14 +484,15 @@ def retention_days(opts: dict[str, Any]) -> int:
 RETENTION_BATCH = 10_000  # snapshots a retention transaction deletes: about 1.5 MB of WAL
 
 
-def retention(opts: dict[str, Any], lease_data: dict[str, Any] | None) -> int:
+def retention(run: runs.Run) -> int:
     """Delete the snapshots no window reads any more, :data:`RETENTION_BATCH` at a time, each
     batch in a transaction of its own, pacing on the database's health before each (as a
     range does) and stopping at the run's deadline: what is left is pruned by the next run."""
-    if lease_from_xcom(lease_data) is None or opts["card_ids"]:
+    opts = run.opts
+    if run.lease is None or opts["card_ids"]:
         log.info("retention skipped (%s)", "targeted run" if opts["card_ids"] else LOCK_HELD)
         return 0
-    lease = rejoin_lease(JOB, lease_data)
+    lease = runs.rejoin_lease(run)
     keep = retention_days(opts)
     params = {"as_of": opts["as_of_date"], "keep_days": keep, "limit": RETENTION_BATCH}
     with connection(JOB.conn_id) as conn:
@@ -548,84 +557,28 @@ def _prune(conn, lease: leases.Lease, params: dict[str, Any], opts: dict[str, An
                 leases.renew(conn, lease)
 
 
-def summarize(
-    opts: dict[str, Any], pruned: int | None, lease_data: dict[str, Any] | None, run_id: str
-) -> dict[str, Any]:
-    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
-
-    ``status`` is ``success`` only when both passes of ``as_of_date`` completed and no sweep is
-    left unfinished; the staleness figures come from the newest as_of_date whose passes all
-    completed, whichever run completed them.
-    """
-    lease = lease_from_xcom(lease_data)
-    result: dict[str, Any] = {
-        **jobs.new_result(opts, run_id),
-        "as_of_date": opts["as_of_date"],
-        **{f"{k.result}_{n}": 0 for n in PER_KIND for k in CARD_KINDS},
-        "snapshots_written": 0,
-        "snapshots_pruned": pruned or 0,
-        "scores_as_of_date": None,
-        "score_staleness_hours": None,
-        "targeted": bool(opts["card_ids"]),
-        "resumed": False,
-    }
-    scored = signals = None
-    with connection(JOB.conn_id) as conn:
-        if lease is None:
-            result["status"] = LOCK_HELD
-        else:
-            totals, result["unfinished_sweeps"] = keyset.finish_run(conn, JOB.code, lease.holder)
-            for t in totals:
-                c = t["counters"]
-                for n, count in PER_KIND.items():
-                    result[f"{KINDS[t['family']].result}_{n}"] += getattr(c, count)
-                result["snapshots_written"] += c.written
-                result["item_errors"] += c.item_errors
-            result["backlog_remaining"] = bool(result["unfinished_sweeps"])
-            result["history_pruned"] = jobs.prune_history(conn, JOB, opts)
-            with transaction(conn) as cur:
-                why = _backfill_guard(cur, opts)
-                cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
-                scored = fetch_one_dict(cur)
-            if why is not None:
-                result["status"] = f"nothing written: {why}"
-            elif result["backlog_remaining"]:
-                result["status"] = "backlog_remaining"
-            if scored is not None:
-                result["scores_as_of_date"] = scored["as_of_date"].isoformat()
-                result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
-            result["duration_ms"] = elapsed_ms(lease)
-            if opts["dry_run"]:  # nothing was written: report what would have been
-                result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
-                result.update({k: 0 for k in DRY_RUN_FIELDS})
-            result["resumed"] = jobs.resumed(totals, lease)
-            if not opts["dry_run"]:  # a dry run sends nothing
-                build = functools.partial(_signals, opts, result)
-                signals = jobs.summary_signals(conn, JOB, lease, opts, run_id, build)
-        keyset.write_run_log(
-            conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
-        )
-        if signals is not None:  # a real run that held the lease
-            emit_state(conn)
-    log.info(
-        "run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
-        "ProjectCardsUpdated=%(project_cards_updated)s "
-        "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
-        "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
-        "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
-        result,
-    )
-    if lease is not None:
-        release_lease(JOB, lease_data)
-        if signals is not None:
-            metrics.gauge(f"{METRIC}_backlog_remaining", int(result["backlog_remaining"]))
-            signals[0].send(signals[1])
-    return result
+def _settle(conn, opts: dict[str, Any], result: dict[str, Any]) -> None:
+    """A run that may write nothing says so in its status (else ``success`` only when both
+    passes of ``as_of_date`` completed and no sweep is left unfinished); the staleness figures
+    come from the newest as_of_date whose passes all completed, whichever run completed them;
+    a dry run reports what it would have written."""
+    with transaction(conn) as cur:
+        why = _backfill_guard(cur, opts)
+        cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
+        scored = fetch_one_dict(cur)
+    if why is not None:
+        result["status"] = f"nothing written: {why}"
+    if scored is not None:
+        result["scores_as_of_date"] = scored["as_of_date"].isoformat()
+        result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
+    if opts["dry_run"]:  # nothing was written: report what would have been
+        result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
+        result.update({k: 0 for k in DRY_RUN_FIELDS})
 
 
-def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly: bool):  # noqa: ARG001
+def _signals(opts: dict[str, Any], result: dict[str, Any], window) -> runs.Signals:
     """What the run's first summary sends: what it did, and the time its work completed."""
-    signals = jobs.Signals(
+    signals = runs.Signals(
         counters=[
             *(
                 [f"{METRIC}_cards_total", result[f"{k.result}_processed"], {"card_kind": k.name}]
@@ -645,11 +598,11 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     return signals
 
 
-def emit_state(conn) -> None:
+def _emit_state(conn) -> None:
     """The gauges of how fresh the scores are, from the database: the newest as_of_date whose
     passes all completed and its age. Sent by the summary and again by the teardown, which runs
     when the summary failed (a complete night whose summary was lost is still seen)."""
-    keyset.close_finished(conn, JOB.code)
+    runs.close_finished(conn, JOB.code)
     with transaction(conn) as cur:
         cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
         scored = fetch_one_dict(cur)

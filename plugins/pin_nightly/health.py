@@ -49,15 +49,66 @@ METRIC = "pin_nightly_pauses_total"
 
 # the replicas a run names (Airflow connection ids); none: every replica the primary streams to
 REPLICAS_PARAM = "pace_replica_conn_ids"
-# param -> (signal, default); the params' schemas are in jobs.common_params
-PARAMS = {
-    "pace_max_replica_lag_seconds": ("replica_lag_seconds", 30),
-    "pace_max_replica_lag_mb": ("replica_lag_mb", 1024),
-    "pace_on_vacuum": ("vacuum", True),
-    "pace_max_wal_mb_per_second": ("wal_mb_per_second", 32),
-    "pace_max_archive_backlog_segments": ("archive_backlog_segments", 64),
-    "pace_max_lock_waiters": ("lock_waiters", 1),
-}
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One pacing signal: its param (the limit; 0 or False turns it off), default and what
+    it pauses on (the param's description), and the column of ``health/signals`` that reads
+    it (None: measured by the range itself, see :meth:`Health.read`)."""
+
+    param: str
+    signal: str
+    default: float | bool
+    pauses_while: str
+    column: str | None = None
+    integer: bool = False
+
+
+# The pacing signals: a new one is a row here and a column of include/sql/health/signals.sql.
+LIMITS = (
+    Limit(
+        "pace_max_replica_lag_seconds",
+        "replica_lag_seconds",
+        30,
+        "a streaming replica's replay lag (pg_stat_replication) is over this many seconds",
+    ),
+    Limit(
+        "pace_max_replica_lag_mb",
+        "replica_lag_mb",
+        1024,
+        "a streaming replica has more than this many MB of WAL not replayed yet",
+    ),
+    Limit(
+        "pace_on_vacuum",
+        "vacuum",
+        True,
+        "a VACUUM (autovacuum or manual) runs on a table they write",
+    ),
+    Limit(
+        "pace_max_wal_mb_per_second",
+        "wal_mb_per_second",
+        32,
+        "the server writes more than this many MB of WAL per second (over the last ~10 s of "
+        "the range's work)",
+    ),
+    Limit(
+        "pace_max_archive_backlog_segments",
+        "archive_backlog_segments",
+        64,
+        "more than this many WAL segments wait for the archiver (when archive_mode is on)",
+        column="archive_backlog",
+        integer=True,
+    ),
+    Limit(
+        "pace_max_lock_waiters",
+        "lock_waiters",
+        1,
+        "more than this many sessions were waiting for the job's row locks at the end of the "
+        "last batch",
+        integer=True,
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -116,12 +167,10 @@ class Health:
     def from_opts(cls, opts: dict[str, Any], tables=(), dag_id: str = "") -> Health:
         """The checker of a run's options (a missing param takes its default)."""
         limits = {}
-        for param, (signal, default) in PARAMS.items():
-            value = opts.get(param, default)
-            if signal == "vacuum":
-                value = 1 if value else 0
+        for lim in LIMITS:
+            value = opts.get(lim.param, lim.default)
             if value:
-                limits[signal] = float(value)
+                limits[lim.signal] = float(value)
         return cls(limits, tuple(tables), dag_id, tuple(opts.get(REPLICAS_PARAM) or ()))
 
     @property
@@ -177,7 +226,9 @@ class Health:
         if row["vacuum"] and "vacuum" in self.limits:
             over.append(Reading("vacuum", 1, 0, row["vacuum"]))
         check("wal_mb_per_second", self._wal_rate(now, float(row["wal_bytes"])))
-        check("archive_backlog_segments", row["archive_backlog"])
+        for lim in LIMITS:
+            if lim.column is not None:
+                check(lim.signal, row[lim.column])
         waiters, longest = self._waiters
         check("lock_waiters", waiters, f"longest wait {longest:.2f} s at the last batch's end")
         self._waiters = (0, 0.0)  # a waiter is counted once; the pause has let it through

@@ -1,44 +1,51 @@
-"""What both jobs share around the keyset machinery: run identity, lease tasks, the run log."""
+"""A job's definition and interface (:class:`Job`), its params, and what comes before a
+run's work: the options' checks, the backfill refusal, the setup task that takes the lease."""
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pin_nightly import keyset, metrics, tracing
+from pin_nightly import health as healths
 from pin_nightly import lease as leases
+from pin_nightly import metrics, tracing
 from pin_nightly.db import (
     JobConfigError,
     check_columns,
     connection,
     ensure_schema,
-    fetch_one_dict,
     has_index_on,
     resolve,
     sql,
     transaction,
 )
-from pin_nightly.health import REPLICAS_PARAM
+from pin_nightly.runs import LOCK_HELD
+
+if TYPE_CHECKING:
+    from pin_nightly.ranges import Worker
+    from pin_nightly.runs import Pass, Run, Signals
 
 log = logging.getLogger(__name__)
 
-LOCK_HELD = "skipped, lock held"
 # JSON-schema pattern of a uuid param item (hyphens optional, any case); parse_uuids normalizes.
 UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 
 
 @dataclass(frozen=True)
-class JobDef:
+class Job:
+    """A job: its identity and tables as fields, and its part of a run as a few methods that
+    the framework (:mod:`pin_nightly.runs`) calls; a job module defines one subclass."""
+
     code: str  # the job code of the spec, e.g. news-comment-reconcile
     dag_id: str
     conn_id: str
     lock_key: str
+    metric: str  # prefix of its metrics
     domain_columns: dict[str, list[str]]
     # (relation that proves the DDL was applied, include/sql file with the DDL)
     owned_ddl: list[tuple[str, str]]
@@ -51,6 +58,44 @@ class JobDef:
         ("sweep_retention_days", "common/prune_sweeps"),
         ("item_error_retention_days", "common/prune_item_errors"),
     )
+    completed: str = "job completed: %(status)s"  # the summary's log line (of the result)
+
+    def holder(self, opts: dict[str, Any], run_id: str) -> str:
+        """The lease holder, and owner of the sweeps, of the run's acquisition."""
+        tag = opts.get("run_tag")
+        return f"{self.dag_id}/{run_id}" + (f" ~{tag}" if tag else "")
+
+    def tonight(self, conn, run: Run, part: str | None) -> Pass | None:
+        """The sweep the planning task of ``part`` opens (None: the run may write nothing)."""
+        raise NotImplementedError
+
+    def worker(self, run: Run, rng: dict[str, Any]) -> Worker:
+        """The worker of a range task (``rng`` a planned range)."""
+        raise NotImplementedError
+
+    def guard(self, cur, run: Run) -> str | None:  # noqa: ARG002
+        """Why a range task of the run may write nothing any more (None: it may)."""
+        return None
+
+    def result(self, run: Run, **given: Any) -> dict[str, Any]:  # noqa: ARG002
+        """The job's fields of the run's result, before the run is counted."""
+        return {}
+
+    def count(self, run: Run, totals: list[dict[str, Any]], result: dict[str, Any]) -> None:
+        """Fill the job's fields of ``result`` from the acquisition's totals per sweep."""
+
+    def settle(self, conn, run: Run, result: dict[str, Any]) -> None:
+        """After counting: the job's own checks of the run's outcome, and its tidying."""
+
+    def signals(self, run: Run, result: dict[str, Any], cur, window, nightly: bool) -> Signals:
+        """What the run's first summary sends (see :func:`runs.summary_signals`)."""
+        raise NotImplementedError
+
+    def emit_state(self, conn) -> None:
+        """The gauges of the job's state, read from the database (summary and teardown)."""
+
+    def alert(self, run: Run, alert: dict[str, Any]) -> None:
+        """Send the alert a summary's signals carry."""
 
 
 # Upper bounds of the run budget and the lease TTL: larger values overflow PostgreSQL's
@@ -129,61 +174,31 @@ def common_params(
 
 
 def pace_params() -> dict[str, Any]:
-    """The limits of pacing on the database's health (README, "Pacing on the database's
-    health"); defaults in :data:`health.PARAMS`. A number of 0 turns its signal off."""
+    """The params of pacing on the database's health (:data:`health.LIMITS`, docs/operations.md
+    "Pacing on the database's health") and of the replicas it watches."""
     from airflow.sdk import Param
 
-    from pin_nightly.health import PARAMS as PACE
-
-    off = "; 0 turns it off"
-
-    def number(param: str, what: str, integer: bool = False) -> Param:
-        return Param(
-            PACE[param][1],
-            type="integer" if integer else "number",
+    out = {}
+    for lim in healths.LIMITS:
+        if isinstance(lim.default, bool):
+            out[lim.param] = Param(
+                lim.default, type="boolean", description=f"Pause batches while {lim.pauses_while}"
+            )
+            continue
+        out[lim.param] = Param(
+            lim.default,
+            type="integer" if lim.integer else "number",
             minimum=0,
-            description=f"Pause batches while {what}{off}",
+            description=f"Pause batches while {lim.pauses_while}; 0 turns it off",
         )
-
-    return {
-        "pace_max_replica_lag_seconds": number(
-            "pace_max_replica_lag_seconds",
-            "a streaming replica's replay lag (pg_stat_replication) is over this many seconds",
-        ),
-        "pace_max_replica_lag_mb": number(
-            "pace_max_replica_lag_mb",
-            "a streaming replica has more than this many MB of WAL not replayed yet",
-        ),
-        "pace_on_vacuum": Param(
-            PACE["pace_on_vacuum"][1],
-            type="boolean",
-            description="Pause batches while a VACUUM (autovacuum or manual) runs on a table "
-            "they write",
-        ),
-        "pace_max_wal_mb_per_second": number(
-            "pace_max_wal_mb_per_second",
-            "the server writes more than this many MB of WAL per second (over the last ~10 s "
-            "of the range's work)",
-        ),
-        "pace_max_archive_backlog_segments": number(
-            "pace_max_archive_backlog_segments",
-            "more than this many WAL segments wait for the archiver (when archive_mode is on)",
-            integer=True,
-        ),
-        REPLICAS_PARAM: Param(
-            [],
-            type="array",
-            items={"type": "string", "minLength": 1},
-            description="Airflow connections of the replicas whose replay lag paces the job "
-            "(read on each replica); empty: every streaming replica in pg_stat_replication",
-        ),
-        "pace_max_lock_waiters": number(
-            "pace_max_lock_waiters",
-            "more than this many sessions were waiting for the job's row locks at the end of "
-            "the last batch",
-            integer=True,
-        ),
-    }
+    out[healths.REPLICAS_PARAM] = Param(
+        [],
+        type="array",
+        items={"type": "string", "minLength": 1},
+        description="Airflow connections of the replicas whose replay lag paces the job "
+        "(read on each replica); empty: every streaming replica in pg_stat_replication",
+    )
+    return out
 
 
 def defaults(params: dict[str, Any]) -> dict[str, Any]:
@@ -208,19 +223,13 @@ def run_tag() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def holder_of(job: JobDef, opts: dict[str, Any], run_id: str) -> str:
-    """The lease holder, and owner of the sweeps, of the run's acquisition."""
-    tag = opts.get("run_tag")
-    return f"{job.dag_id}/{run_id}" + (f" ~{tag}" if tag else "")
-
-
 def run_instant(logical_date: datetime | None, run_after: datetime | None) -> datetime:
     """The instant a run is about: its logical date, or when it was due to run (a manual run
     triggered without a logical date)."""
     return logical_date or run_after or datetime.now(UTC)
 
 
-def preflight(conn, job: JobDef) -> list[str]:
+def preflight(conn, job: Job) -> list[str]:
     """Check the domain tables, create the job-owned tables if absent; return warnings."""
     for table, columns in job.domain_columns.items():
         check_columns(conn, table, columns)
@@ -238,14 +247,14 @@ def preflight(conn, job: JobDef) -> list[str]:
     return warnings
 
 
-def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, Any]:
+def acquire_lease(job: Job, opts: dict[str, Any], run_id: str) -> dict[str, Any]:
     """The setup task: preflight checks, then take the lease for the run ``run_id``.
 
     When another holder has it, the run's work is skipped: the result says
     ``acquired: False`` and the planning task plans nothing (the run succeeds, doing nothing).
     """
-    holder = holder_of(job, opts, run_id)
-    for replica in opts.get(REPLICAS_PARAM) or ():
+    holder = job.holder(opts, run_id)
+    for replica in opts.get(healths.REPLICAS_PARAM) or ():
         resolve(replica)  # a named replica's connection must exist before anything is written
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
@@ -283,7 +292,7 @@ def acquire_lease(job: JobDef, opts: dict[str, Any], run_id: str) -> dict[str, A
     return {**got.to_xcom(), "acquired": True, "warnings": warnings, "trace": trace}
 
 
-def run_attributes(job: JobDef, opts: dict[str, Any], run_id: str, holder: str) -> dict[str, Any]:
+def run_attributes(job: Job, opts: dict[str, Any], run_id: str, holder: str) -> dict[str, Any]:
     """The attributes of a run's ``job_run`` span (the spec's names, then ``pin.*``)."""
     scope = opts.get("effective_scope") or ("Targeted" if opts.get("card_ids") else "AllCards")
     attributes = {
@@ -300,69 +309,6 @@ def run_attributes(job: JobDef, opts: dict[str, Any], run_id: str, holder: str) 
     return attributes
 
 
-def lease_from_xcom(data: dict[str, Any] | None) -> leases.Lease | None:
-    """The lease this run holds, or None when it did not get it."""
-    if not data or not data.get("acquired"):
-        return None
-    return leases.Lease.from_xcom(data)
-
-
-def release_lease(job: JobDef, lease_data: dict[str, Any] | None) -> bool:
-    """Release the lease if this run holds it: the teardown task, and the summary (the
-    teardown does not run again when only a run's failed tasks are cleared)."""
-    lease = _held(lease_data)
-    if lease is None:
-        return False
-    with connection(job.conn_id) as conn:
-        return leases.release(conn, lease)
-
-
-def _held(lease_data: dict[str, Any] | None) -> leases.Lease | None:
-    """The lease the run holds; None, said in the log, when it took none."""
-    lease = lease_from_xcom(lease_data)
-    if lease is None:
-        log.info("no lease was taken by this run: nothing to release")
-    return lease
-
-
-def teardown(
-    job: JobDef, lease_data: dict[str, Any] | None, emit_state: Callable[[Any], None]
-) -> bool:
-    """The teardown task: release the lease, then send the job's state gauges (``emit_state``
-    on the same connection: the teardown runs when the summary failed, and the work a run
-    completed is then still seen) and the run's ``job_run`` span, from the acquisition to now."""
-    lease = _held(lease_data)
-    if lease is None:
-        return False
-    with connection(job.conn_id) as conn:
-        released = leases.release(conn, lease)
-        emit_state(conn)
-    tracing.end_run(lease_data.get("trace"), datetime.fromisoformat(lease.acquired_at))
-    return released
-
-
-def prune_history(conn, job: JobDef, opts: dict[str, Any]) -> dict[str, int]:
-    """Delete the job-owned history past its retention params (not in a dry run); return the
-    rows deleted per param."""
-    if opts["dry_run"]:
-        return {}
-    pruned = {}
-    with transaction(conn) as cur:
-        for param, statement in job.history:
-            cur.execute(sql(statement), {"job": job.code, "days": opts[param]})
-            pruned[param] = pruned.get(param, 0) + cur.rowcount
-    if any(pruned.values()):
-        log.info("job history past its retention deleted: %s", pruned)
-    return pruned
-
-
-def resumed(totals: list[dict[str, Any]], lease: leases.Lease) -> bool:
-    """Whether the acquisition worked a sweep opened before it began (it resumed earlier
-    work), from :func:`keyset.run_totals`."""
-    began = datetime.fromisoformat(lease.acquired_at)
-    return any(t["started_at"] < began for t in totals)
-
-
 def is_nightly(run_type: Any) -> bool:
     """Whether a run of this type is the nightly work: a scheduled run (not one triggered by
     hand, a backfill or an asset). Only nightly runs set the gauges that describe the nightly
@@ -376,7 +322,7 @@ def is_backfill(run_type: Any) -> bool:
     return str(getattr(run_type, "value", run_type)) == "backfill"
 
 
-def check_backfill(job: JobDef, day: str, backfill: bool, snapshots: bool) -> None:
+def check_backfill(job: Job, day: str, backfill: bool, snapshots: bool) -> None:
     """Refuse, before anything is written, a backfill run of a ``day`` (ISO) before yesterday
     (the database's clock, UTC): it would read tonight's data as that day's. The popularity job
     (``snapshots``) stamps today's counters as the day's snapshots, so the growth of every day
@@ -401,83 +347,6 @@ def check_backfill(job: JobDef, day: str, backfill: bool, snapshots: bool) -> No
         f"database's clock in UTC), and a run reads today's data, not that day's: {carried}; "
         "nothing was written"
     )
-
-
-@dataclass
-class Signals:
-    """What a summary sends: metrics declared in :data:`metrics.METRICS` (``[name, value,
-    tags]``) and an alert (``None``: no alert). Gauges describe a state and are sent again by a
-    summary run again; counters, timings and the alert are sent once per acquisition."""
-
-    counters: list = field(default_factory=list)
-    timings: list = field(default_factory=list)
-    gauges: list = field(default_factory=list)
-    alert: dict[str, Any] | None = None
-
-    def send(self, first: bool, alert: Callable[[dict[str, Any]], None] | None = None) -> None:
-        for name, value, tags in self.gauges:
-            metrics.gauge(name, value, tags=tags)
-        if not first:
-            log.info("this run's summary was sent before: counters and alerts not sent again")
-            return
-        for name, value, tags in self.counters:
-            metrics.incr(name, value, tags=tags)
-        for name, value, tags in self.timings:
-            metrics.timing(name, value, tags=tags)
-        if self.alert is not None and alert is not None:
-            alert(self.alert)
-
-
-@dataclass(frozen=True)
-class SignalWindow:
-    """What a summary counts (see ``common/signal_window``)."""
-
-    since_any: datetime
-    since_nightly: datetime
-    through: datetime
-    work_done_at: datetime
-    current: bool
-    acquired_at: str  # the acquisition's start
-
-
-def summary_signals(
-    conn,
-    job: JobDef,
-    lease: leases.Lease,
-    opts: dict[str, Any],
-    run_id: str,
-    build: Callable[[Any, SignalWindow, bool], Signals],
-) -> tuple[Signals, bool]:
-    """The signals of the acquisition's summary and whether this is its first summary: built
-    once by ``build(cur, window, nightly)`` and stored in ``pin_nightly.run_signal``; a summary
-    run again gets the stored ones. The summary of a run older than one that already sent its
-    summary (a task cleared after newer nights) counts no window and is no nightly's."""
-    run_at = opts.get("run_instant") or lease.acquired_at  # options of an older release
-    key = {"job": job.code, "owner": lease.holder, "run_at": run_at}
-    with transaction(conn) as cur:
-        cur.execute(sql("common/signal_sent"), key)
-        row = cur.fetchone()
-        if row is not None:
-            return Signals(**row[0]), False
-        cur.execute(sql("common/signal_window"), {**key, "acquired_at": lease.acquired_at})
-        window = SignalWindow(**fetch_one_dict(cur), acquired_at=lease.acquired_at)
-        nightly = opts.get("nightly", False) and window.current
-        if not window.current:
-            log.warning("a newer run sent its summary: this one counts nothing new")
-            window = replace(window, through=window.since_any)
-        signals = build(cur, window, nightly)
-        cur.execute(
-            sql("common/signal_record"),
-            {
-                **key,
-                "run_id": run_id,
-                "nightly": nightly,
-                "work_done_at": window.work_done_at,
-                "drift_through": window.through,
-                "signals": json.dumps(asdict(signals)),
-            },
-        )
-    return signals, True
 
 
 def publish(asset: Any, extra: dict[str, Any] | None, outlet_events: Any) -> dict[str, Any]:
@@ -509,26 +378,6 @@ def task_failed(metric: str, context: dict[str, Any]) -> None:
     metrics.incr(f"{metric}_errors_total")
 
 
-def new_result(opts: dict[str, Any], run_id: str) -> dict[str, Any]:
-    """The fields of a run's result that both jobs report, before the run is counted."""
-    return {
-        "status": "success",
-        "dry_run": opts["dry_run"],
-        "item_errors": 0,
-        "backlog_remaining": False,
-        "duration_ms": 0,
-        "run_id": run_id,
-        "unfinished_sweeps": [],
-    }
-
-
-def elapsed_ms(lease: leases.Lease | None) -> int:
-    if lease is None:
-        return 0
-    started = datetime.fromisoformat(lease.acquired_at)
-    return int((datetime.now(UTC) - started).total_seconds() * 1000)
-
-
 def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
     """Normalized, de-duplicated uuids of a list param; problems go to ``errors``."""
     if not isinstance(values, list):
@@ -543,94 +392,6 @@ def parse_uuids(name: str, values: Any, errors: list[str]) -> list[str]:
         except ValueError:
             errors.append(f"{name} contains {v!r}, which is not a uuid")
     return sorted(set(out))
-
-
-def rejoin_lease(job: JobDef, lease_data: dict[str, Any] | None) -> leases.Lease:
-    """The lease of this run, taken again when it is gone (see :func:`lease.rejoin`)."""
-    lease = lease_from_xcom(lease_data)
-    if lease is None:
-        raise leases.LeaseLost("this run holds no lease; nothing may be written")
-    with connection(job.conn_id) as conn:
-        return leases.rejoin(conn, lease)
-
-
-def _range_start(
-    job: JobDef, rng: dict[str, Any], batch_size: int, run_id: str, extra: dict[str, Any] | None
-) -> dict[str, Any]:
-    return {
-        "pin.job": job.dag_id,
-        "pin.job_run_id": run_id,
-        "pin.sweep_id": rng["sweep_id"],
-        "pin.scope": rng["family"],
-        "pin.range": rng["label"],
-        "pin.range_no": rng["range_no"],
-        "pin.batch_size": batch_size,
-        **(extra or {}),
-    }
-
-
-def _range_result(res: keyset.RangeResult) -> dict[str, Any]:
-    return {
-        "pin.range.status": res.status,
-        **res.attributes("pin.range", omit=("written", "retried")),
-        "pin.range.cursor": res.cursor_id,
-    }
-
-
-def run_range_task(
-    job: JobDef,
-    rng: dict[str, Any],
-    lease_data: dict[str, Any],
-    batch_size: int,
-    work: keyset.SweepJob,
-    run_id: str,
-    span_attributes: dict[str, Any] | None = None,
-    guard: Callable[[Any], str | None] | None = None,
-) -> dict[str, Any]:
-    """Body of a mapped range task: work through the range (the job's ``work`` on its sweep),
-    stop gracefully. A range that is no longer this run's (a later run adopted it, or its sweep
-    was abandoned for a newer date: the task was cleared late), or for which the job's
-    ``guard(cur)`` says why the run may write nothing, writes nothing and ends green, saying
-    which run took over."""
-    with (
-        tracing.in_run((lease_data or {}).get("trace")),
-        tracing.span("range", _range_start, job, rng, batch_size, run_id, span_attributes) as span,
-    ):
-        taken = lease_from_xcom(lease_data)
-        if taken is None:
-            raise leases.LeaseLost("this run holds no lease; nothing may be written")
-        # one connection for the whole task: the check, the lease, every batch
-        with connection(job.conn_id) as conn:
-            why = keyset.superseded(keyset.get_range(conn, rng), taken.holder)
-            if why is None and guard is not None:
-                with transaction(conn) as cur:
-                    why = guard(cur)
-            if why is None:
-                lease = leases.rejoin(conn, taken)
-                with keyset.StopSignal() as stop:
-                    res = keyset.run_range(conn, rng, lease, batch_size, work, stop=stop)
-            else:
-                log.warning("range %s: %s; this task writes nothing", rng["label"], why)
-                res = keyset.RangeResult(
-                    sweep_id=rng["sweep_id"],
-                    range_no=rng["range_no"],
-                    status="superseded",
-                    superseded_by=why,
-                )
-        tracing.set_result(span, _range_result, res)
-        out = {**res.__dict__, "label": rng["label"]}
-        log.info(
-            "range %(label)s %(status)s: processed=%(processed)d changed=%(changed)d "
-            "written=%(written)d batches=%(batches)d skipped_locked=%(skipped_locked)d "
-            "(retried %(retried)d) item_errors=%(item_errors)d",
-            out,
-        )
-        if res.status == "stopped":
-            raise keyset.GracefulStop(
-                f"stopped on request after {res.batches} batch(es); "
-                f"committed work is kept, cursor {res.cursor_id}"
-            )
-    return out
 
 
 def config_errors_fail(fn: Callable) -> Callable:

@@ -8,7 +8,6 @@ ones that are drifted and record each correction; advance the range cursor.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -18,24 +17,9 @@ from typing import Any
 import pendulum
 from airflow.sdk import Asset, Param
 
-from pin_nightly import jobs, keyset, metrics
-from pin_nightly.db import (
-    JobConfigError,
-    connection,
-    fetch_dicts,
-    fetch_one_dict,
-    sql,
-    transaction,
-)
-from pin_nightly.jobs import (
-    LOCK_HELD,
-    JobDef,
-    elapsed_ms,
-    lease_from_xcom,
-    parse_uuids,
-    release_lease,
-    run_range_task,
-)
+from pin_nightly import jobs, metrics, ranges, runs, sweeps
+from pin_nightly.db import JobConfigError, fetch_dicts, fetch_one_dict, sql, transaction
+from pin_nightly.jobs import parse_uuids
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +30,76 @@ METRIC = "news_comment_reconcile"
 WINDOW_MARGIN = timedelta(hours=1)
 SCOPES = ("auto", "DailyWindow", "FullSweep")
 
-JOB = JobDef(
+
+class News(jobs.Job):
+    """The reconcile's part of a run (see :class:`jobs.Job`)."""
+
+    def tonight(self, conn, run: runs.Run, part: str | None) -> runs.Pass:  # noqa: ARG002
+        scope = run.opts["effective_scope"]
+        worker = Reconcile(run.opts, None, run.run_id, candidate_mode=scope != "FullSweep")
+        return runs.Pass(sweep_spec(run.opts), worker, scope)
+
+    def worker(self, run: runs.Run, rng: dict[str, Any]) -> Reconcile:
+        full = rng["family"] == "FullSweep"
+        return make_batch(run.opts, rng["sweep_id"], run.run_id, candidate_mode=not full)
+
+    def result(self, run: runs.Run, **given: Any) -> dict[str, Any]:  # noqa: ARG002
+        return {
+            "scope": run.opts["effective_scope"],
+            "posts_reconciled": 0,
+            "drift_corrected": 0,
+            "drift_found": 0,
+            "batches_processed": 0,
+            "last_post_id": None,
+            "posts_skipped_locked": 0,
+            "sweep_id": None,
+            "sweeps": [],
+        }
+
+    def count(self, run: runs.Run, totals, result: dict[str, Any]) -> None:
+        own = sweep_spec(run.opts).scope
+        for t in totals:
+            if t["scope"] == own:
+                result["sweep_id"] = t["sweep_id"]
+            c = t["counters"]
+            sweep = {k: t[k] for k in ("sweep_id", "scope", "sweep_status")}
+            result["sweeps"].append(
+                {**sweep, "rows_processed": c.processed, "rows_changed": c.changed}
+            )
+            ids = [result["last_post_id"], t["last_id"]]
+            result["last_post_id"] = max(filter(None, ids), default=None)
+        total = sum((t["counters"] for t in totals), ranges.Counters())
+        result.update(
+            posts_reconciled=total.processed,
+            drift_found=total.changed,
+            batches_processed=total.batches,
+            posts_skipped_locked=total.skipped_locked,
+            item_errors=total.item_errors,
+        )
+        # a dry run finds drift and corrects none
+        result["drift_corrected"] = 0 if run.dry_run else total.changed
+
+    def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:  # noqa: ARG002
+        _tidy(conn, run.holder)
+
+    def signals(self, run: runs.Run, result, cur, window, nightly: bool) -> runs.Signals:
+        return _signals(run.opts, result, cur, window, nightly)
+
+    def emit_state(self, conn) -> None:
+        _emit_state(conn)
+
+    def alert(self, run: runs.Run, alert: dict[str, Any]) -> None:
+        from pin_nightly import alerts
+
+        alerts.drift_alert(self.dag_id, run.run_id, **alert)
+
+
+JOB = News(
     code="news-comment-reconcile",
     dag_id="news_comment_reconcile",
     conn_id="news_db",
     lock_key="Pin:lock:job:scheduled:news-comment-reconcile",
+    metric=METRIC,
     domain_columns={
         "news.posts": ["id", "status", "comments_count", "updated_at"],
         "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
@@ -60,7 +109,14 @@ JOB = JobDef(
         ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
         ("news.comments", "(updated_at)", "ix_comments_updated_at"),
     ],
-    history=(*JobDef.history, ("drift_retention_days", "news/prune_drift")),
+    history=(*jobs.Job.history, ("drift_retention_days", "news/prune_drift")),
+    completed="job completed: posts_reconciled=%(posts_reconciled)s "
+    "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
+    "batches=%(batches_processed)s "
+    "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
+    "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
+    "scope=%(scope)s dry_run=%(dry_run)s "
+    "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
 )
 
 # Published when a run completed its sweep: other teams' DAGs schedule on it by this name.
@@ -195,68 +251,32 @@ def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
     return cutoff
 
 
-def plan_ranges(
-    opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
-) -> list[dict[str, Any]]:
-    """Open (or adopt) the run's sweep and return its ranges (none when the lease is held)."""
-    lease = lease_from_xcom(lease_data)
-    if lease is None:
-        log.warning("%s: %s; nothing planned", JOB.code, LOCK_HELD)
-        return []
+def sweep_spec(opts: dict[str, Any]) -> sweeps.SweepSpec:
+    """The run's own sweep. The scopes share one keyset (the posts): a real run (not
+    targeted, not dry) may be resumed by a later run, and also resumes every unfinished sweep
+    of the other scope (a FullSweep stopped by its time budget is not parked until the next
+    FullSweep night): its own sweep first, then the older ones, all within the run's one time
+    budget; a DailyWindow replaces an unfinished one. Targeted repairs and dry runs do only
+    their own work."""
     scope = opts["effective_scope"]
-    job = Reconcile(opts, None, run_id, candidate_mode=scope != "FullSweep")
-    with connection(JOB.conn_id) as conn:
-        sweep = keyset.open_sweep(conn, sweep_spec(opts), lease, run_id, job.plan)
-    ranges = keyset.range_descriptors(sweep, scope)
-    cursors = {
-        f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
-        for s in [sweep, *sweep["others"]]
-        for r in s["ranges"]
-        if r["status"] != "done"
-    }
-    log.info(
-        "job started: run=%s scope=%s batch_size=%s sweep=%s%s resumed_sweeps=%s "
-        "ranges=%d cursors=%s dry_run=%s",
-        run_id,
-        scope,
-        opts["batch_size"],
-        sweep["sweep_id"],
-        " (resumed)" if sweep["adopted"] else "",
-        [o["sweep_id"] for o in sweep["others"]],
-        len(ranges),
-        cursors,
-        opts["dry_run"],
-    )
-    return ranges
-
-
-def sweep_spec(opts: dict[str, Any]) -> keyset.SweepSpec:
-    """The run's own sweep. A real run (not targeted, not dry) may be resumed by a later run,
-    and also resumes every unfinished sweep of the other scope (a FullSweep stopped by its time
-    budget is not parked until the next FullSweep night): its own sweep first, then the older
-    ones, all within the run's one time budget. Targeted repairs and dry runs do only their
-    own work."""
-    real = opts["effective_scope"] != "Targeted" and not opts["dry_run"]
-    return keyset.SweepSpec(
+    window = scope == "DailyWindow"
+    return sweeps.SweepSpec(
         job=JOB.code,
-        family=opts["effective_scope"],
-        resumable=real,
+        family=scope,
+        targeted=scope == "Targeted",
         dry_run=opts["dry_run"],
-        resume_others=real,
-        subsumes=opts["effective_scope"] == "DailyWindow",
-        # a new window starts with what an unfinished one left unreached (the newest posts
-        # are not left for the weekly FullSweep)
-        rotate=real,
+        precedence=sweeps.Precedence.REPLACES if window else sweeps.Precedence.JOB,
         params={"batch_size": opts["batch_size"], "post_ids": len(opts["post_ids"])},
     )
 
 
 @dataclass
-class Reconcile(keyset.SweepJob):
+class Reconcile(ranges.Worker):
     """The reconcile of one sweep's posts: every post of the scope (FullSweep), or the sweep's
     candidates (``candidate_mode``: a DailyWindow's, a targeted repair's)."""
 
     candidate_mode: bool
+    dag_id = "news_comment_reconcile"
     writes = ("news.posts",)  # the domain table its batches write (pacing watches its vacuum)
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
@@ -285,7 +305,7 @@ class Reconcile(keyset.SweepJob):
         if self.candidate_mode:
             cur.execute(sql("news/analyze_candidates"))
         source = sql("news/candidate_source" if self.candidate_mode else "news/full_source")
-        return keyset.boundaries(
+        return sweeps.boundaries(
             cur,
             source.strip(),
             {"sweep_id": sweep_id},
@@ -293,22 +313,22 @@ class Reconcile(keyset.SweepJob):
             self.opts["max_ranges"],
         )
 
-    def batch(self, cur, after_id, upper_id, limit: int) -> keyset.Batch:
+    def batch(self, cur, after_id, upper_id, limit: int) -> ranges.Batch:
         cur.execute(
             sql("news/candidate_lock" if self.candidate_mode else "news/full_lock"),
             {"sweep_id": self.sweep_id, "after_id": after_id, "upper_id": upper_id, "limit": limit},
         )
         return self._reconcile(cur, limit)
 
-    def retry(self, cur, ids: list[str]) -> keyset.Batch:
+    def retry(self, cur, ids: list[str]) -> ranges.Batch:
         cur.execute(sql("news/ids_lock"), {"ids": ids})
         return self._reconcile(cur, 1)
 
-    def _reconcile(self, cur, limit: int) -> keyset.Batch:
+    def _reconcile(self, cur, limit: int) -> ranges.Batch:
         """Recount the posts the lock statement just locked; correct and record the drifted."""
         got = fetch_one_dict(cur)
         if not got["n_read"]:
-            return keyset.Batch(keyset.Counters())
+            return ranges.Batch(ranges.Counters())
         locked = list(got["locked_ids"])
         held = set(locked)
         skipped = [i for i in got["suspect_ids"] if i not in held]
@@ -320,7 +340,7 @@ class Reconcile(keyset.SweepJob):
                 cur.execute(sql("news/apply"), {**params, "run_id": self.run_id})
                 return fetch_dicts(cur)
 
-            drift, failed = keyset.isolate_items(
+            drift, failed = ranges.isolate_items(
                 cur, locked, apply, JOB.code, self.run_id, self.sweep_id, "post_id"
             )
         if skipped and not dry_run:
@@ -335,8 +355,8 @@ class Reconcile(keyset.SweepJob):
             )
         # reconciled: every eligible post read, except those left locked by someone else
         processed = got["n_eligible"] - len(skipped) - len(failed)
-        return keyset.Batch(
-            keyset.Counters(processed=processed, changed=len(drift), item_errors=len(failed)),
+        return ranges.Batch(
+            ranges.Counters(processed=processed, changed=len(drift), item_errors=len(failed)),
             last_id=got["last_id"],
             full=got["n_read"] >= limit,
             skipped_ids=skipped,
@@ -346,98 +366,6 @@ class Reconcile(keyset.SweepJob):
 def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode: bool) -> Reconcile:
     """The reconcile of the ranges of sweep ``sweep_id`` (what a range task runs)."""
     return Reconcile(opts, sweep_id, run_id, candidate_mode)
-
-
-def reconcile_range(
-    rng: dict[str, Any], opts: dict[str, Any], lease_data: dict[str, Any], run_id: str
-) -> dict[str, Any]:
-    """One mapped task: reconcile a keyset range batch by batch from its cursor."""
-    job = make_batch(opts, rng["sweep_id"], run_id, candidate_mode=rng["family"] != "FullSweep")
-    return run_range_task(JOB, rng, lease_data, opts["batch_size"], job, run_id)
-
-
-def summarize(
-    opts: dict[str, Any], lease_data: dict[str, Any] | None, run_id: str
-) -> dict[str, Any]:
-    """The run's result: XCom, a row in the run log, the 'completed' log line and metrics.
-
-    ``status`` is ``success`` only when no work is left: ``backlog_remaining`` (and that
-    status) whenever any sweep is unfinished after the run, whichever run left it.
-    """
-    lease = lease_from_xcom(lease_data)
-    result: dict[str, Any] = {
-        **jobs.new_result(opts, run_id),
-        "scope": opts["effective_scope"],
-        "posts_reconciled": 0,
-        "drift_corrected": 0,
-        "drift_found": 0,
-        "batches_processed": 0,
-        "last_post_id": None,
-        "posts_skipped_locked": 0,
-        "sweep_id": None,
-        "sweeps": [],
-    }
-    signals = None
-    with connection(JOB.conn_id) as conn:
-        if lease is None:
-            result["status"] = LOCK_HELD
-            log.warning("%s: %s; this run did nothing", JOB.code, LOCK_HELD)
-        else:
-            totals, result["unfinished_sweeps"] = keyset.finish_run(conn, JOB.code, lease.holder)
-            for t in totals:
-                if t["scope"] == sweep_spec(opts).scope:
-                    result["sweep_id"] = t["sweep_id"]
-                result["sweeps"].append(
-                    {
-                        **{k: t[k] for k in ("sweep_id", "scope", "sweep_status")},
-                        "rows_processed": t["counters"].processed,
-                        "rows_changed": t["counters"].changed,
-                    }
-                )
-                result["last_post_id"] = max(
-                    filter(None, [result["last_post_id"], t["last_id"]]), default=None
-                )
-            total = sum((t["counters"] for t in totals), keyset.Counters())
-            result.update(
-                posts_reconciled=total.processed,
-                drift_found=total.changed,
-                batches_processed=total.batches,
-                posts_skipped_locked=total.skipped_locked,
-                item_errors=total.item_errors,
-                backlog_remaining=bool(result["unfinished_sweeps"]),
-            )
-            # a dry run finds drift and corrects none
-            result["drift_corrected"] = 0 if opts["dry_run"] else result["drift_found"]
-            result["duration_ms"] = elapsed_ms(lease)
-            if result["backlog_remaining"]:
-                result["status"] = "backlog_remaining"
-            _tidy(conn, lease.holder)
-            result["history_pruned"] = jobs.prune_history(conn, JOB, opts)
-            if not opts["dry_run"]:  # a dry run sends nothing
-                build = functools.partial(_signals, opts, result)
-                signals = jobs.summary_signals(conn, JOB, lease, opts, run_id, build)
-        keyset.write_run_log(
-            conn, JOB.code, run_id, result["status"], result, lease.acquired_at if lease else None
-        )
-        if signals is not None:  # a real run that held the lease
-            emit_state(conn)
-    log.info(
-        "job completed: posts_reconciled=%(posts_reconciled)s "
-        "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
-        "batches=%(batches_processed)s "
-        "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
-        "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
-        "scope=%(scope)s dry_run=%(dry_run)s "
-        "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
-        result,
-    )
-    if lease is not None:
-        release_lease(JOB, lease_data)
-        if signals is not None:
-            metrics.gauge(f"{METRIC}_backlog_remaining", int(result["backlog_remaining"]))
-            sent, first = signals
-            sent.send(first, functools.partial(_drift_alert, run_id))
-    return result
 
 
 def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly: bool):
@@ -457,7 +385,7 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     )
     counted = fetch_one_dict(cur)
     threshold = opts["drift_alert_threshold"]
-    signals = jobs.Signals(
+    signals = runs.Signals(
         counters=[
             [f"{METRIC}_posts_reconciled_total", result["posts_reconciled"], None],
             [f"{METRIC}_drift_corrected_total", counted["corrected"], None],
@@ -485,12 +413,6 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     return signals
 
 
-def _drift_alert(run_id: str, alert: dict[str, Any]) -> None:
-    from pin_nightly import alerts
-
-    alerts.drift_alert(JOB.dag_id, run_id, **alert)
-
-
 def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
     """The extra of the asset event of a run that completed its sweep, or None: a dry run, a
     targeted repair, a run that found the lease held or left work unfinished publish nothing."""
@@ -504,11 +426,11 @@ def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def emit_state(conn) -> None:
+def _emit_state(conn) -> None:
     """The gauges of what the job has covered, from the database: when the newest FullSweep and
     DailyWindow completed. Sent by the summary and again by the teardown, which runs when the
     summary failed."""
-    keyset.close_finished(conn, JOB.code)
+    runs.close_finished(conn, JOB.code)
     completed = _last_completed(conn)
     if "FullSweep" in completed:
         metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])

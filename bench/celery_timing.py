@@ -4,7 +4,7 @@ its counters restored before every run), a throw-away Redis, and a :class:`Celer
 whose news pool has as many slots as ranges, so that only the workers limit how many ranges run
 at once (workers x concurrency).
 
-    .venv/bin/python -m tools.celery_timing [--scale 0.25] [--batch-size 50] [--repeat 2]
+    .venv/bin/python -m bench.celery_timing [--scale 0.25] [--batch-size 50] [--repeat 2]
                                             [--setups 1x1,2x1,1x2,2x2]
 
 Prints, per setup, each run's duration (the DAG run, from its start to its end), the ranges' wall

@@ -1,0 +1,450 @@
+"""Ranges: the loop a mapped task runs over one range of a sweep, batch by batch.
+
+Each batch is one transaction: the fence (the lease is still this run's, the deadline not
+passed), the job's batch (:class:`Worker`), the range's checkpoint (cursor and counters),
+committed asynchronously (``common/async_commit.sql``). Between batches the range paces on the
+database's health (:mod:`pin_nightly.health`) and stops on SIGTERM; rows skipped because locked
+are retried once at the range's end; a row that makes a batch fail is isolated
+(:func:`isolate_items`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Self
+
+from pin_nightly import health as healths
+from pin_nightly import lease as leases
+from pin_nightly import tracing
+from pin_nightly.db import fetch_one_dict, sql, sqlstate, transaction
+
+log = logging.getLogger(__name__)
+
+LOCK_NOT_AVAILABLE = "55P03"
+RETRY_LOCK_TIMEOUT_MS = 1000  # the end-of-range retry of a skipped row waits this long for its lock
+
+
+@dataclass
+class Worker:
+    """A job's work on one sweep (``sweep_id``; None while planning), in three methods; the
+    framework owns the loop, the transactions, the lease, the checkpoints and the counters."""
+
+    opts: dict[str, Any]
+    sweep_id: int | None
+    run_id: str
+    dag_id: ClassVar[str] = ""  # the job's DAG (the pauses metric's tag)
+
+    def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
+        """A new sweep's ``(rows, inner_boundaries)``, in the transaction that creates it."""
+        raise NotImplementedError
+
+    def batch(self, cur, after_id: str | None, upper_id: str | None, limit: int) -> Batch:
+        """The range's next at most ``limit`` rows in ``(after_id, upper_id]``, SKIP LOCKED."""
+        raise NotImplementedError
+
+    def retry(self, cur, ids: list[str]) -> Batch:
+        """Exactly the rows ``ids`` a batch skipped because locked, waiting for their locks."""
+        raise NotImplementedError
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The tables a batch writes (pacing pauses while a VACUUM runs on one of them)."""
+        return ()
+
+    @property
+    def span_attributes(self) -> dict[str, Any]:
+        """Attributes of each batch span beyond the batch's own (e.g. the card kind)."""
+        return {}
+
+
+@dataclass
+class Counters:
+    """What a batch, a range or a run did: the counters of ``pin_nightly.sweep_range`` (its
+    checkpoints' parameters, the run totals' columns) and of a range task's result."""
+
+    batches: int = 0
+    processed: int = 0  # rows worked (reconciled, recomputed)
+    changed: int = 0  # rows whose value the job corrected (comments_count, popularity_score)
+    written: int = 0  # other rows written (popularity snapshots)
+    skipped_locked: int = 0  # rows skipped because someone else held their lock
+    item_errors: int = 0  # rows a batch could not write (pin_nightly.item_error)
+    retried: int = 0  # skipped rows taken on the end-of-range retry (not stored)
+
+    def __add__(self, other: Counters) -> Self:
+        """These counters plus ``other``'s (a subclass keeps its other fields)."""
+        return replace(self, **{k: v + getattr(other, k) for k, v in self.as_params().items()})
+
+    def as_params(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(Counters)}
+
+    def attributes(self, prefix: str, omit: tuple[str, ...]) -> dict[str, int]:
+        """Span attributes ``<prefix>.<counter>`` (processed: ``rows``, changed:
+        ``updated_count``, the spec's name)."""
+        span = {"processed": "rows", "changed": "updated_count"}
+        return {
+            f"{prefix}.{span.get(k, k)}": v for k, v in self.as_params().items() if k not in omit
+        }
+
+
+@dataclass
+class Batch:
+    """What one batch did: its counters (but ``batches``, ``skipped_locked``), the new cursor
+    ``last_id`` (None: nothing was read), whether it was full, the rows it skipped (locked)."""
+
+    counters: Counters
+    last_id: str | None = None
+    full: bool = False
+    skipped_ids: list[str] = field(default_factory=list)
+
+    def checkpoint(self) -> Counters:
+        """What the batch adds to its range's counters."""
+        return replace(self.counters, batches=1, skipped_locked=len(self.skipped_ids))
+
+    def retaken(self) -> Counters:
+        """What a retry adds to its range's counters: the rows it took are no longer skipped."""
+        taken = self.counters.processed
+        return replace(self.counters, skipped_locked=-taken, retried=taken)
+
+
+# SQLSTATE classes of an error that one row causes (a domain trigger raising, a constraint, bad
+# data): the row is isolated and recorded, the batch writes the others. Anything else (the
+# connection, disk, resources, a lock timeout, a cancel) fails the batch and the task.
+ITEM_ERROR_CLASSES = ("22", "23", "P0")
+
+
+def is_item_error(exc: BaseException) -> bool:
+    state = sqlstate(exc)
+    return bool(state) and state[:2] in ITEM_ERROR_CLASSES
+
+
+def isolate_items(
+    cur,
+    ids: list[str],
+    apply: Callable[[list[str]], list[dict[str, Any]]],
+    job: str,
+    run_id: str,
+    sweep_id: int,
+    item: str,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """``apply(ids)`` in the batch's transaction; when a row makes it fail (an item error),
+    apply each row on its own instead, each under a savepoint, and record the rows that fail
+    in ``pin_nightly.item_error`` (logged as ``item failed``). Returns what ``apply`` returned
+    for the rows that were written, and the ids that failed."""
+    record = {"job": job, "run_id": run_id, "sweep_id": sweep_id}
+    cur.execute(sql("common/savepoint_item"))
+    try:
+        out = apply(ids)
+    except Exception as exc:
+        if not is_item_error(exc):
+            raise
+        cur.execute(sql("common/rollback_to_item"))
+        log.warning("batch failed on a row (%s): writing its %d rows one by one", exc, len(ids))
+    else:
+        cur.execute(sql("common/release_item"))
+        return out, []
+    out, failed = [], []
+    for item_id in ids:
+        cur.execute(sql("common/savepoint_item"))
+        try:
+            out.extend(apply([item_id]))
+        except Exception as exc:
+            if not is_item_error(exc):
+                raise
+            cur.execute(sql("common/rollback_to_item"))
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            state = sqlstate(exc)
+            log.error("item failed: %s=%s sqlstate=%s: %s", item, item_id, state, message)
+            error = {"item_id": item_id, "sqlstate": state, "message": message}
+            cur.execute(sql("common/item_error_record"), {**record, **error})
+            failed.append(item_id)
+        else:
+            cur.execute(sql("common/release_item"))
+    return out, failed
+
+
+class StopSignal:
+    """Graceful stop between batches on SIGTERM (the host stopping, a task being killed)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        log.warning("SIGTERM received: stopping after the batch in flight")
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+class GracefulStop(RuntimeError):
+    """Raised after a graceful stop so that Airflow records the task as not finished."""
+
+
+@dataclass(kw_only=True)
+class RangeResult(Counters):
+    """What a range task did: its counters, where its cursor is, and how it ended."""
+
+    sweep_id: int
+    range_no: int
+    status: str  # done | interrupted | stopped | superseded
+    cursor_id: str | None = None
+    superseded_by: str | None = None
+
+
+def superseded(row: dict[str, Any], owner: str) -> str | None:
+    """Why the range of ``range_get`` row is no longer ``owner``'s to work (None: it is, or it
+    is done and there is nothing to write)."""
+    if row["status"] == "done" or (row["owner"] == owner and row["sweep_status"] == "open"):
+        return None
+    return f"superseded by the run {row['superseded_by']} (sweep {row['sweep_status']})"
+
+
+def get_range(conn, rng: dict[str, Any]) -> dict[str, Any]:
+    key = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
+    with transaction(conn) as cur:
+        cur.execute(sql("common/range_get"), key)
+        row = fetch_one_dict(cur)
+    if row is None:
+        raise LookupError(f"range {key} does not exist (was the sweep pruned?)")
+    return row
+
+
+def run_range(
+    conn,
+    rng: dict[str, Any],
+    lease: leases.Lease,
+    batch_size: int,
+    job: Worker,
+    stop: StopSignal | None = None,
+    health: healths.Health | None = None,
+) -> RangeResult:
+    """Work through one range, batch by batch (``job.batch``), from its saved cursor.
+
+    Stops before a batch when the run's deadline has passed (``interrupted``: the next run
+    resumes) or when a stop was requested. Rows skipped because locked are retried once at the
+    end of the range with a short ``lock_timeout`` (``job.retry``). A range that is no longer
+    the acquisition's (adopted by a later run, its sweep abandoned or closed) is left alone:
+    ``superseded``. Before each batch the range waits while the database's health signals
+    are over the run's limits (``health``; by default from the job's options, see
+    :mod:`pin_nightly.health`).
+    """
+    ids = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
+    key = {**ids, "owner": lease.holder}
+    work = _Range(conn, job, lease, key, rng.get("label", key), rng.get("budget_share", 1.0))
+    work.health = health or healths.Health.from_opts(job.opts, job.writes, job.dag_id)
+    with work.health:
+        return _run_range(work, rng, batch_size, stop or StopSignal())
+
+
+def _run_range(work: _Range, rng: dict[str, Any], batch_size: int, stop) -> RangeResult:
+    conn, lease = work.conn, work.lease
+    ids = {k: work.key[k] for k in ("sweep_id", "range_no")}
+    row = get_range(conn, rng)
+    res = RangeResult(**ids, status="done", cursor_id=row["cursor_id"])
+    why = superseded(row, lease.holder)
+    if why is not None:
+        log.warning("range %s: %s; nothing written", work.label, why)
+        return replace(res, status="superseded", superseded_by=why)
+    if row["status"] == "done":
+        log.info("range %s is already done", work.label)
+        return res
+    res, skipped = _work_batches(work, row, batch_size, stop, res)
+    if res.status == "done":
+        res += _retry_skipped(work, skipped, stop)
+        with transaction(conn) as cur:
+            work.update(cur, "common/range_done", why="taken over by someone else")
+    if stop.requested:
+        res.status = "stopped"
+    return res
+
+
+@dataclass
+class _Range:
+    """A range being worked by an acquisition: what each of its transactions needs."""
+
+    conn: Any
+    job: Worker
+    lease: leases.Lease
+    key: dict[str, Any]  # sweep_id, range_no, owner: every write is conditional on them
+    label: Any
+    share: float  # of the run's time budget, that the range's pass may use
+    health: healths.Health | None = None  # pacing before each batch
+
+    def pace(self, stop) -> healths.Pause:
+        """Before a batch, outside any transaction: wait while the database is unhealthy."""
+        if self.health is None:
+            return healths.Pause()
+        return self.health.wait(self.conn, self.lease, self.share, stop, f"range {self.label}")
+
+    def update(self, cur, statement, params=None, why="taken over or closed by someone else"):
+        """A write to the range row, only while it is the acquisition's (and its sweep open)."""
+        cur.execute(sql(statement), {**(params or {}), **self.key})
+        if cur.fetchone() is None:
+            raise RuntimeError(f"range {self.key} was {why}")
+
+    def batch(
+        self, cursor: str | None, upper: str | None, limit: int, paused: healths.Pause | None = None
+    ) -> tuple[Batch | None, bool]:
+        """One batch transaction (fencing, the job's batch, the checkpoint): the batch (None: past
+        the run's deadline, nothing done), and whether the lease is due for renewal. ``paused``:
+        the pause before it, for its span."""
+        with (
+            tracing.span("batch", _batch_start, cursor, limit, paused, self.job) as span,
+            transaction(self.conn) as cur,
+        ):
+            cur.execute(sql("common/async_commit"))
+            past_deadline, renew_due = leases.fence(cur, self.lease, self.share)
+            b = None if past_deadline else self.job.batch(cur, cursor, upper, limit)
+            if b is not None and self.health is not None:
+                self.health.sample_lock_waiters(cur)
+            if b is not None and b.last_id is not None:
+                params = {**b.checkpoint().as_params(), "cursor_id": b.last_id}
+                why = "taken over or closed by someone else: batch rolled back"
+                self.update(cur, "common/range_advance", params, why)
+            tracing.set_result(span, _batch_attributes, b)
+        if b is None:
+            log.warning(
+                "max run duration reached%s: range %s stops at cursor %s; the next run "
+                "resumes from it",
+                f" (this pass's share, {self.share:.0%})" if self.share < 1 else "",
+                self.label,
+                cursor,
+            )
+        return b, renew_due
+
+    def retry(
+        self, row_id: str, timeout_ms: int, paused: healths.Pause | None = None
+    ) -> Counters | None:
+        """The end-of-range retry of one skipped row, in its own transaction, waiting at most
+        ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline).
+        ``paused``: the pause before it, for its span."""
+        with (
+            tracing.span("retry_locked_row", _retry_start, row_id, paused) as span,
+            transaction(self.conn) as cur,
+        ):
+            cur.execute(sql("common/async_commit"))
+            if leases.fence(cur, self.lease, self.share)[0]:
+                return None
+            cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
+            b = self.job.retry(cur, [row_id])
+            tracing.set_result(span, _batch_attributes, b)
+            taken = b.retaken()
+            self.update(cur, "common/range_retried", taken.as_params())
+        return taken
+
+
+def _resume_point(row: dict[str, Any]) -> tuple[str | None, str | None, bool]:
+    """Where a range goes on: ``(cursor, upper, wrapped)``. A range that starts at ``wrap_at``
+    works ``(wrap_at, upper]``, then wraps to ``(lower, wrap_at]``."""
+    wrap_at = row["wrap_at"]
+    if wrap_at is not None and not row["wrapped"]:
+        return row["cursor_id"] or wrap_at, row["upper_id"], False
+    return row["cursor_id"] or row["lower_id"], wrap_at or row["upper_id"], True
+
+
+def _work_batches(
+    work: _Range, row: dict[str, Any], batch_size: int, stop, res: RangeResult
+) -> tuple[RangeResult, list[str]]:
+    """The range's batches from its cursor to its end, the deadline or a stop; the rows skipped."""
+    cursor, upper, wrapped = _resume_point(row)
+    skipped: list[str] = []
+    while True:
+        if stop.requested:
+            res.status = "stopped"
+            break
+        paused = work.pace(stop)  # outside any transaction
+        if stop.requested:
+            continue
+        started = time.monotonic()
+        b, renew_due = work.batch(cursor, upper, batch_size, paused)
+        if b is None:
+            res.status = "interrupted"
+            break
+        if renew_due:
+            leases.renew(work.conn, work.lease)
+        if b.last_id is not None:
+            cursor = b.last_id
+            skipped.extend(b.skipped_ids)
+            done = b.checkpoint()
+            res += done
+            log.info(
+                "batch processed: range=%s rows=%d changed=%d skipped_locked=%d cursor=%s "
+                "lock_ms=%.1f",
+                work.label,
+                done.processed,
+                done.changed,
+                done.skipped_locked,
+                cursor,
+                (time.monotonic() - started) * 1000,
+            )
+        if not b.full:
+            if wrapped:
+                break
+            with transaction(work.conn) as cur:
+                work.update(cur, "common/range_wrap")
+            wrapped, cursor, upper = True, row["lower_id"], row["wrap_at"]
+            log.info("range %s: reached its end, continues from its start to %s", work.label, upper)
+    res.cursor_id = cursor
+    return res, skipped
+
+
+def _batch_start(
+    after_id: str | None,
+    batch_size: int,
+    paused: healths.Pause | None = None,
+    job: Worker | None = None,
+) -> dict[str, Any]:
+    pause = paused.attributes() if paused is not None else {}
+    return {
+        "pin.batch.after_id": after_id,
+        "pin.batch_size": batch_size,
+        "batch_size": batch_size,  # the spec's name
+        **pause,
+        **(job.span_attributes if job is not None else {}),
+    }
+
+
+def _retry_start(row_id: str, paused: healths.Pause | None = None) -> dict[str, Any]:
+    return {"pin.batch.row_id": row_id, **(paused.attributes() if paused is not None else {})}
+
+
+def _batch_attributes(b: Batch | None) -> dict[str, Any]:
+    if b is None:
+        return {"pin.batch.stopped_at_deadline": True}
+    attributes = b.checkpoint().attributes("pin.batch", omit=("batches", "retried"))
+    # the spec's name of the rows updated
+    return {**attributes, "pin.batch.cursor": b.last_id, "updated_count": b.counters.changed}
+
+
+def _retry_skipped(work: _Range, skipped: list[str], stop) -> Counters:
+    """Take each skipped row once more, waiting at most :data:`RETRY_LOCK_TIMEOUT_MS` for its
+    lock and pacing before each as before a batch; what the rows taken add to the counters."""
+    done = Counters()
+    for row_id in skipped:
+        paused = work.pace(stop)  # outside any transaction
+        if stop.requested:
+            break
+        try:
+            taken = work.retry(row_id, RETRY_LOCK_TIMEOUT_MS, paused)
+        except Exception as exc:  # noqa: BLE001 - only a lock timeout is expected here
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                raise
+            log.info("row %s is still locked: left for the next run", row_id)
+            continue
+        if taken is None:
+            break
+        done += taken
+    return done

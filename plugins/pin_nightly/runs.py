@@ -1,0 +1,399 @@
+"""The run: what every task of a job's DAG does around the job's own work, written once.
+
+A task builds one :class:`Run` (the job, the options, the run id, the lease it holds or None)
+and calls the framework: :func:`plan` (the planning task), :func:`work_range` (a mapped range
+task), :func:`summarize` and :func:`teardown`. The job supplies its part through the methods of
+:class:`pin_nightly.jobs.Job`: tonight's sweep and its worker, its result's fields, its signals
+and its state gauges.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from pin_nightly import lease as leases
+from pin_nightly import metrics, ranges, sweeps, tracing
+from pin_nightly.db import connection, fetch_dicts, fetch_one_dict, sql, transaction
+
+if TYPE_CHECKING:
+    from pin_nightly.jobs import Job
+
+log = logging.getLogger(__name__)
+
+LOCK_HELD = "skipped, lock held"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a job as a task sees it, built once per task from its inputs."""
+
+    job: Job
+    opts: dict[str, Any]
+    run_id: str
+    lease: leases.Lease | None = None  # None: the run did not get the lease
+    trace: dict[str, Any] | None = None  # the run's job_run span context
+
+    @classmethod
+    def of(cls, job: Job, opts: dict[str, Any], run_id: str, lease_data=None) -> Run:
+        """The run of a task given the setup task's result ``lease_data`` (an XCom)."""
+        data = lease_data or {}
+        lease = leases.Lease.from_xcom(data) if data.get("acquired") else None
+        return cls(job, opts, run_id, lease, data.get("trace"))
+
+    @property
+    def holder(self) -> str:
+        """The lease holder, and owner of the sweeps, of the run's acquisition."""
+        return self.lease.holder if self.lease else self.job.holder(self.opts, self.run_id)
+
+    @property
+    def dry_run(self) -> bool:
+        return bool(self.opts["dry_run"])
+
+    def connect(self):
+        return connection(self.job.conn_id)
+
+    def held(self) -> leases.Lease:
+        """The run's lease; :class:`lease.LeaseLost` when it took none."""
+        if self.lease is None:
+            raise leases.LeaseLost("this run holds no lease; nothing may be written")
+        return self.lease
+
+
+@dataclass(frozen=True)
+class Pass:
+    """The sweep a planning task opens: its spec, the worker that plans and works it, the
+    label prefix of its ranges and the share of the run's budget they may use."""
+
+    spec: sweeps.SweepSpec
+    worker: ranges.Worker
+    prefix: str
+    share: float = 1.0
+
+
+def plan(run: Run, part: str | None = None) -> list[dict[str, Any]]:
+    """The planning task: open (or adopt) the run's sweep of ``part`` (the job's
+    :meth:`~pin_nightly.jobs.Job.tonight`) and return its ranges (none when the lease is held
+    or the job says the run may write nothing)."""
+    if run.lease is None:
+        log.warning("%s: %s; nothing planned", run.job.code, LOCK_HELD)
+        return []
+    with run.connect() as conn:
+        p = run.job.tonight(conn, run, part)
+        if p is None:
+            return []
+        sweep = sweeps.open_sweep(conn, p.spec, run.lease, run.run_id, p.worker.plan)
+    out = sweeps.range_descriptors(sweep, p.prefix)
+    for r in out:
+        r["budget_share"] = p.share
+    cursors = {
+        f"{s['scope']}#{r['range_no']}": r["cursor_id"] or "start"
+        for s in [sweep, *sweep["others"]]
+        for r in s["ranges"]
+        if r["status"] != "done"
+    }
+    log.info(
+        "job started: run=%s scope=%s batch_size=%s sweep=%s%s resumed_sweeps=%s ranges=%d "
+        "cursors=%s dry_run=%s budget_share=%.0f%%",
+        run.run_id,
+        p.spec.scope,
+        run.opts["batch_size"],
+        sweep["sweep_id"],
+        " (resumed)" if sweep["adopted"] else "",
+        [o["sweep_id"] for o in sweep["others"]],
+        len(out),
+        cursors,
+        run.dry_run,
+        p.share * 100,
+    )
+    return out
+
+
+def work_range(run: Run, rng: dict[str, Any]) -> dict[str, Any]:
+    """A mapped range task: work through the range (the job's worker on its sweep), stop
+    gracefully. A range that is no longer this run's (a later run adopted it, or its sweep was
+    abandoned for a newer date: the task was cleared late), or for which the job's
+    :meth:`~pin_nightly.jobs.Job.guard` says why the run may write nothing, writes nothing and
+    ends green, saying which run took over."""
+    worker = run.job.worker(run, rng)
+    with (
+        tracing.in_run(run.trace),
+        tracing.span("range", _range_start, run, rng, worker.span_attributes) as span,
+    ):
+        taken = run.held()
+        with run.connect() as conn:  # one connection for the whole task
+            why = ranges.superseded(ranges.get_range(conn, rng), taken.holder)
+            if why is None:
+                with transaction(conn) as cur:
+                    why = run.job.guard(cur, run)
+            if why is None:
+                lease = leases.rejoin(conn, taken)
+                with ranges.StopSignal() as stop:
+                    res = ranges.run_range(conn, rng, lease, run.opts["batch_size"], worker, stop)
+            else:
+                log.warning("range %s: %s; this task writes nothing", rng["label"], why)
+                ids = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
+                res = ranges.RangeResult(**ids, status="superseded", superseded_by=why)
+        tracing.set_result(span, _range_result, res)
+        out = {**res.__dict__, "label": rng["label"]}
+        log.info(
+            "range %(label)s %(status)s: processed=%(processed)d changed=%(changed)d "
+            "written=%(written)d batches=%(batches)d skipped_locked=%(skipped_locked)d "
+            "(retried %(retried)d) item_errors=%(item_errors)d",
+            out,
+        )
+        if res.status == "stopped":
+            raise ranges.GracefulStop(
+                f"stopped on request after {res.batches} batch(es); "
+                f"committed work is kept, cursor {res.cursor_id}"
+            )
+    return out
+
+
+def _range_start(run: Run, rng: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "pin.job": run.job.dag_id,
+        "pin.job_run_id": run.run_id,
+        "pin.sweep_id": rng["sweep_id"],
+        "pin.scope": rng["family"],
+        "pin.range": rng["label"],
+        "pin.range_no": rng["range_no"],
+        "pin.batch_size": run.opts["batch_size"],
+        **{f"pin.{k}": v for k, v in extra.items()},
+    }
+
+
+def _range_result(res: ranges.RangeResult) -> dict[str, Any]:
+    return {
+        "pin.range.status": res.status,
+        **res.attributes("pin.range", omit=("written", "retried")),
+        "pin.range.cursor": res.cursor_id,
+    }
+
+
+def summarize(run: Run, **given: Any) -> dict[str, Any]:
+    """The summary task: the run's result (XCom, a row in the run log, the 'completed' log
+    line) and its signals, sent once per acquisition. ``status`` is ``success`` only when no
+    work is left: ``backlog_remaining`` whenever a sweep is unfinished after the run, whichever
+    run left it; the job may say more (:meth:`~pin_nightly.jobs.Job.settle`)."""
+    job = run.job
+    result = {**new_result(run), **job.result(run, **given)}
+    signals = None
+    with run.connect() as conn:
+        if run.lease is None:
+            result["status"] = LOCK_HELD
+            log.warning("%s: %s; this run did nothing", job.code, LOCK_HELD)
+        else:
+            totals, result["unfinished_sweeps"] = finish_run(conn, job.code, run.holder)
+            job.count(run, totals, result)
+            result["backlog_remaining"] = bool(result["unfinished_sweeps"])
+            if result["backlog_remaining"]:
+                result["status"] = "backlog_remaining"
+            result["history_pruned"] = prune_history(conn, run)
+            job.settle(conn, run, result)
+            result["duration_ms"] = elapsed_ms(run.lease)
+            if not run.dry_run:  # a dry run sends nothing
+                signals = summary_signals(conn, run, functools.partial(job.signals, run, result))
+        write_run_log(conn, run, result)
+        if signals is not None:  # a real run that held the lease
+            job.emit_state(conn)
+    log.info(job.completed, result)
+    if run.lease is not None:
+        release_lease(run)
+        if signals is not None:
+            metrics.gauge(f"{job.metric}_backlog_remaining", int(result["backlog_remaining"]))
+            signals[0].send(signals[1], functools.partial(job.alert, run))
+    return result
+
+
+def new_result(run: Run) -> dict[str, Any]:
+    """The fields of a run's result that both jobs report, before the run is counted."""
+    return {
+        "status": "success",
+        "dry_run": run.dry_run,
+        "item_errors": 0,
+        "backlog_remaining": False,
+        "duration_ms": 0,
+        "run_id": run.run_id,
+        "unfinished_sweeps": [],
+    }
+
+
+def elapsed_ms(lease: leases.Lease | None) -> int:
+    if lease is None:
+        return 0
+    started = datetime.fromisoformat(lease.acquired_at)
+    return int((datetime.now(UTC) - started).total_seconds() * 1000)
+
+
+def resumed(totals: list[dict[str, Any]], lease: leases.Lease) -> bool:
+    """Whether the acquisition worked a sweep opened before it began (it resumed earlier
+    work), from :func:`run_totals`."""
+    began = datetime.fromisoformat(lease.acquired_at)
+    return any(t["started_at"] < began for t in totals)
+
+
+def prune_history(conn, run: Run) -> dict[str, int]:
+    """Delete the job-owned history past its retention params (not in a dry run); return the
+    rows deleted per param."""
+    if run.dry_run:
+        return {}
+    pruned: dict[str, int] = {}
+    with transaction(conn) as cur:
+        for param, statement in run.job.history:
+            cur.execute(sql(statement), {"job": run.job.code, "days": run.opts[param]})
+            pruned[param] = pruned.get(param, 0) + cur.rowcount
+    if any(pruned.values()):
+        log.info("job history past its retention deleted: %s", pruned)
+    return pruned
+
+
+def release_lease(run: Run) -> bool:
+    """Release the lease if this run holds it: the teardown task, and the summary (the
+    teardown does not run again when only a run's failed tasks are cleared)."""
+    if run.lease is None:
+        log.info("no lease was taken by this run: nothing to release")
+        return False
+    with run.connect() as conn:
+        return leases.release(conn, run.lease)
+
+
+def teardown(run: Run) -> bool:
+    """The teardown task: release the lease, then send the job's state gauges (on the same
+    connection: the teardown runs when the summary failed, and the work a run completed is
+    then still seen) and the run's ``job_run`` span, from the acquisition to now."""
+    if run.lease is None:
+        log.info("no lease was taken by this run: nothing to release")
+        return False
+    with run.connect() as conn:
+        released = leases.release(conn, run.lease)
+        run.job.emit_state(conn)
+    tracing.end_run(run.trace, datetime.fromisoformat(run.lease.acquired_at))
+    return released
+
+
+def rejoin_lease(run: Run) -> leases.Lease:
+    """The lease of this run, taken again when it is gone (see :func:`lease.rejoin`)."""
+    with run.connect() as conn:
+        return leases.rejoin(conn, run.held())
+
+
+def run_totals(conn, job: str, owner: str) -> list[dict[str, Any]]:
+    """What the acquisition ``owner`` did, per sweep: the sweep and its ``counters``."""
+    with transaction(conn) as cur:
+        cur.execute(sql("common/run_totals"), {"job": job, "owner": owner})
+        rows = fetch_dicts(cur)
+    names = [f.name for f in fields(ranges.Counters)]
+    for r in rows:
+        r["counters"] = ranges.Counters(**{n: r.pop(n) for n in names if n in r})
+    return rows
+
+
+def finish_run(conn, job: str, owner: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Close the job's sweeps whose ranges are all done; return what the acquisition ``owner``
+    did, per sweep (see :func:`run_totals`), and the sweeps still unfinished after it (the
+    backlog), e.g. ``FullSweep (sweep 12)``."""
+    totals = run_totals(conn, job, owner)
+    closed = close_finished(conn, job)
+    with transaction(conn) as cur:
+        cur.execute(sql("common/sweeps_unfinished"), {"job": job, "owner": owner})
+        unfinished = fetch_dicts(cur)
+    for t in totals:
+        if t["sweep_id"] in closed:
+            t["sweep_status"] = "done"
+    return totals, [f"{u['scope']} (sweep {u['sweep_id']})" for u in unfinished]
+
+
+def close_finished(conn, job: str) -> set[int]:
+    """Close the job's open sweeps whose ranges are all done, whoever left them; their ids."""
+    with transaction(conn) as cur:
+        cur.execute(sql("common/sweep_close_finished"), {"job": job, "keep_owner": None})
+        return {s["sweep_id"] for s in fetch_dicts(cur)}
+
+
+def write_run_log(conn, run: Run, result: dict[str, Any]) -> None:
+    """The run's row in the run log; a run that found the lease held writes one that never
+    replaces one of a run with the same id that worked."""
+    started_at = run.lease.acquired_at if run.lease else None
+    with transaction(conn) as cur:
+        cur.execute(
+            sql("common/run_log_upsert"),
+            {
+                "job": run.job.code,
+                "run_id": run.run_id,
+                "status": result["status"],
+                "result": json.dumps(result, default=str),
+                "started_at": started_at,
+                "lock_held": started_at is None,
+            },
+        )
+
+
+@dataclass
+class Signals:
+    """What a summary sends: metrics declared in :data:`metrics.METRICS` (``[name, value,
+    tags]``) and an alert (``None``: no alert). Gauges describe a state and are sent again by a
+    summary run again; counters, timings and the alert are sent once per acquisition."""
+
+    counters: list = field(default_factory=list)
+    timings: list = field(default_factory=list)
+    gauges: list = field(default_factory=list)
+    alert: dict[str, Any] | None = None
+
+    def send(self, first: bool, alert: Callable[[dict[str, Any]], None] | None = None) -> None:
+        for name, value, tags in self.gauges:
+            metrics.gauge(name, value, tags=tags)
+        if not first:
+            log.info("this run's summary was sent before: counters and alerts not sent again")
+            return
+        for name, value, tags in self.counters:
+            metrics.incr(name, value, tags=tags)
+        for name, value, tags in self.timings:
+            metrics.timing(name, value, tags=tags)
+        if self.alert is not None and alert is not None:
+            alert(self.alert)
+
+
+@dataclass(frozen=True)
+class SignalWindow:
+    """What a summary counts (see ``common/signal_window``)."""
+
+    since_any: datetime
+    since_nightly: datetime
+    through: datetime
+    work_done_at: datetime
+    current: bool
+    acquired_at: str  # the acquisition's start
+
+
+def summary_signals(
+    conn, run: Run, build: Callable[[Any, SignalWindow, bool], Signals]
+) -> tuple[Signals, bool]:
+    """The signals of the acquisition's summary and whether this is its first summary: built
+    once by ``build(cur, window, nightly)`` and stored in ``pin_nightly.run_signal``; a summary
+    run again gets the stored ones. The summary of a run older than one that already sent its
+    summary (a task cleared after newer nights) counts no window and is no nightly's."""
+    lease = run.held()
+    run_at = run.opts.get("run_instant") or lease.acquired_at  # options of an older release
+    key = {"job": run.job.code, "owner": lease.holder, "run_at": run_at}
+    with transaction(conn) as cur:
+        cur.execute(sql("common/signal_sent"), key)
+        row = cur.fetchone()
+        if row is not None:
+            return Signals(**row[0]), False
+        cur.execute(sql("common/signal_window"), {**key, "acquired_at": lease.acquired_at})
+        window = SignalWindow(**fetch_one_dict(cur), acquired_at=lease.acquired_at)
+        nightly = run.opts.get("nightly", False) and window.current
+        if not window.current:
+            log.warning("a newer run sent its summary: this one counts nothing new")
+            window = replace(window, through=window.since_any)
+        signals = build(cur, window, nightly)
+        record = {"run_id": run.run_id, "nightly": nightly, "work_done_at": window.work_done_at}
+        record.update(drift_through=window.through, signals=json.dumps(asdict(signals)))
+        cur.execute(sql("common/signal_record"), {**key, **record})
+    return signals, True
