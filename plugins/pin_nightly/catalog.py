@@ -344,6 +344,7 @@ class Recompute(ranges.Worker):
 
     kind: str
     dag_id = "catalog_popularity_recompute"
+    job_code = "catalog-popularity-recompute"
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -435,9 +436,7 @@ class Recompute(ranges.Worker):
                     cur.execute(card_sql("unapply", kind), undo)
                 return res
 
-            parts, failed = ranges.isolate_items(
-                cur, list(valid), apply, JOB.code, self.run_id, self.sweep_id, "card_id"
-            )
+            parts, failed = ranges.isolate_items(cur, list(valid), apply, self.record, "card_id")
             for p in parts:
                 for k in ("cards_updated", "cards_locked"):
                     out[k] += int(p[k])

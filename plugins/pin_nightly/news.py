@@ -277,6 +277,7 @@ class Reconcile(ranges.Worker):
 
     candidate_mode: bool
     dag_id = "news_comment_reconcile"
+    job_code = "news-comment-reconcile"
     writes = ("news.posts",)  # the domain table its batches write (pacing watches its vacuum)
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
@@ -340,9 +341,7 @@ class Reconcile(ranges.Worker):
                 cur.execute(sql("news/apply"), {**params, "run_id": self.run_id})
                 return fetch_dicts(cur)
 
-            drift, failed = ranges.isolate_items(
-                cur, locked, apply, JOB.code, self.run_id, self.sweep_id, "post_id"
-            )
+            drift, failed = ranges.isolate_items(cur, locked, apply, self.record, "post_id")
         if skipped and not dry_run:
             cur.execute(sql("news/skipped_record"), {"ids": skipped})
         for d in drift:

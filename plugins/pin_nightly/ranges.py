@@ -38,6 +38,7 @@ class Worker:
     sweep_id: int | None
     run_id: str
     dag_id: ClassVar[str] = ""  # the job's DAG (the pauses metric's tag)
+    job_code: ClassVar[str] = ""  # the job's code (its item errors')
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
         """A new sweep's ``(rows, inner_boundaries)``, in the transaction that creates it."""
@@ -50,6 +51,11 @@ class Worker:
     def retry(self, cur, ids: list[str]) -> Batch:
         """Exactly the rows ``ids`` a batch skipped because locked, waiting for their locks."""
         raise NotImplementedError
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """What an item error of its batches is recorded with (:func:`isolate_items`)."""
+        return {"job": self.job_code, "run_id": self.run_id, "sweep_id": self.sweep_id}
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -126,16 +132,15 @@ def isolate_items(
     cur,
     ids: list[str],
     apply: Callable[[list[str]], list[dict[str, Any]]],
-    job: str,
-    run_id: str,
-    sweep_id: int,
+    record: dict[str, Any],
     item: str,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """``apply(ids)`` in the batch's transaction; when a row makes it fail (an item error),
-    apply each row on its own instead, each under a savepoint, and record the rows that fail
-    in ``pin_nightly.item_error`` (logged as ``item failed``). Returns what ``apply`` returned
-    for the rows that were written, and the ids that failed."""
-    record = {"job": job, "run_id": run_id, "sweep_id": sweep_id}
+    """``apply(ids)`` in the batch's transaction, under a savepoint; when a row makes it fail
+    (an item error), the ids are halved and each half applied the same way, down to the rows
+    that fail alone (about 2 k log n statements for k bad rows among n, not n). Those are
+    recorded in ``pin_nightly.item_error`` (``record``: job, run_id, sweep_id) and logged as
+    ``item failed``. Returns what ``apply`` returned for the rows written, and the ids that
+    failed. Every savepoint is released, rolled back or not (no subtransactions pile up)."""
     cur.execute(sql("common/savepoint_item"))
     try:
         out = apply(ids)
@@ -143,28 +148,25 @@ def isolate_items(
         if not is_item_error(exc):
             raise
         cur.execute(sql("common/rollback_to_item"))
-        log.warning("batch failed on a row (%s): writing its %d rows one by one", exc, len(ids))
-    else:
         cur.execute(sql("common/release_item"))
-        return out, []
-    out, failed = [], []
-    for item_id in ids:
-        cur.execute(sql("common/savepoint_item"))
-        try:
-            out.extend(apply([item_id]))
-        except Exception as exc:
-            if not is_item_error(exc):
-                raise
-            cur.execute(sql("common/rollback_to_item"))
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            state = sqlstate(exc)
-            log.error("item failed: %s=%s sqlstate=%s: %s", item, item_id, state, message)
-            error = {"item_id": item_id, "sqlstate": state, "message": message}
-            cur.execute(sql("common/item_error_record"), {**record, **error})
-            failed.append(item_id)
-        else:
-            cur.execute(sql("common/release_item"))
-    return out, failed
+        if len(ids) == 1:
+            _record_item_error(cur, record, item, ids[0], exc)
+            return [], list(ids)
+        log.warning("%d rows failed on a row (%s): isolating it by halves", len(ids), exc)
+        half = len(ids) // 2
+        first, failed = isolate_items(cur, ids[:half], apply, record, item)
+        second, more = isolate_items(cur, ids[half:], apply, record, item)
+        return first + second, failed + more
+    cur.execute(sql("common/release_item"))
+    return out, []
+
+
+def _record_item_error(cur, record: dict[str, Any], item: str, item_id: str, exc) -> None:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    state = sqlstate(exc)
+    log.error("item failed: %s=%s sqlstate=%s: %s", item, item_id, state, message)
+    error = {"item_id": item_id, "sqlstate": state, "message": message}
+    cur.execute(sql("common/item_error_record"), {**record, **error})
 
 
 class StopSignal:
@@ -378,18 +380,7 @@ def _work_batches(
         if b.last_id is not None:
             cursor = b.last_id
             skipped.extend(b.skipped_ids)
-            done = b.checkpoint()
-            res += done
-            log.info(
-                "batch processed: range=%s rows=%d changed=%d skipped_locked=%d cursor=%s "
-                "lock_ms=%.1f",
-                work.label,
-                done.processed,
-                done.changed,
-                done.skipped_locked,
-                cursor,
-                (time.monotonic() - started) * 1000,
-            )
+            res += _log_batch(work, b, started)
         if not b.full:
             if wrapped:
                 break
@@ -399,6 +390,20 @@ def _work_batches(
             log.info("range %s: reached its end, continues from its start to %s", work.label, upper)
     res.cursor_id = cursor
     return res, skipped
+
+
+def _log_batch(work: _Range, b: Batch, started: float) -> Counters:
+    done = b.checkpoint()
+    log.info(
+        "batch processed: range=%s rows=%d changed=%d skipped_locked=%d cursor=%s lock_ms=%.1f",
+        work.label,
+        done.processed,
+        done.changed,
+        done.skipped_locked,
+        b.last_id,
+        (time.monotonic() - started) * 1000,
+    )
+    return done
 
 
 def _batch_start(
