@@ -10,6 +10,7 @@ the score changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import date, datetime
@@ -62,9 +63,6 @@ class Popularity(jobs.Job):
     def worker(self, run: runs.Run, rng: dict[str, Any]) -> Recompute:
         # the pass its planning task opened: tonight's order may differ from the DAG's
         return make_batch(rng["family"], run.opts, rng["sweep_id"], run.run_id)
-
-    def guard(self, cur, run: runs.Run) -> str | None:
-        return _backfill_guard(cur, run.opts)
 
     def result(self, run: runs.Run, **given: Any) -> dict[str, Any]:
         return {
@@ -183,12 +181,11 @@ def validate_options(
 ) -> dict[str, Any]:
     """Check every option and the rules across them; fix as_of_date (``run_instant``'s day in
     UTC; ``nightly``: a scheduled run, see :func:`jobs.is_nightly`). No database access."""
-    p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
+    p = jobs.given(DEFAULTS, params)
     errors: list[str] = []
     card_ids = parse_uuids("card_ids", p["card_ids"], errors)
     jobs.check_budget(p, errors)
-    if errors:
-        raise JobConfigError("invalid options: " + "; ".join(errors))
+    jobs.refuse(errors)
     instant = pendulum.instance(run_instant).in_timezone("UTC")
     opts = {
         **p,
@@ -370,6 +367,9 @@ class Recompute(ranges.Worker):
         bounds = {"after_id": after_id, "upper_id": upper_id, "limit": limit, **self.source}
         return self._write(cur, self._compute(cur, bounds), limit)
 
+    def guard(self, cur) -> str | None:
+        return _backfill_guard(cur, self.opts)
+
     def retry(self, cur, ids: list[str]) -> ranges.Batch:
         bounds = {"after_id": None, "upper_id": None, "limit": len(ids)}
         rows = self._compute(cur, {**bounds, "targeted": True, "card_ids": ids})
@@ -403,69 +403,68 @@ class Recompute(ranges.Worker):
         writes (card by card when one card makes it fail, see ranges.isolate_items); the cards
         it did not lock get their snapshot put back (``catalog/unapply``). The batch's row locks
         are held from there to the commit."""
-        kind, opts = self.kind, self.opts
         if not rows:
             return ranges.Batch(ranges.Counters())
-        poison = [r for r in rows if r["views"] is None or r["views"] < 0]
+        valid = {r["id"]: r for r in rows if r["views"] is not None and r["views"] >= 0}
+        poison = [r for r in rows if r["id"] not in valid]
         for r in poison:
             log.error(
                 "item failed: card_kind=%s card_id=%s: popularity_views is %s; no snapshot "
                 "and no score written",
-                kind,
+                self.kind,
                 r["id"],
                 r["views"],
             )
-        valid = {r["id"]: r for r in rows if r["views"] is not None and r["views"] >= 0}
-        out: dict[str, Any] = {"cards_updated": 0, "cards_locked": 0}
-        out.update(overflow_ids=[], skipped_ids=[])
-        failed: list[str] = []
-        if valid:
-            if opts["dry_run"]:
-                cur.execute(sql("common/savepoint"))
-
-            def apply(ids: list[str]) -> list[dict[str, Any]]:
-                params = {"kind": kind, "as_of": opts["as_of_date"], "ids": ids}
-                params["views"] = [valid[i]["views"] for i in ids]
-                params["scores"] = [valid[i]["score"] for i in ids]
-                cur.execute(card_sql("apply", kind), params)
-                res = fetch_dicts(cur)
-                r = res[0]
-                if r["undo_ids"]:  # the cards not locked keep no snapshot of tonight
-                    undo = {"ids": r["undo_ids"], "views": r["undo_views"]}
-                    undo.update(created=r["undo_created"], kind=kind, as_of=opts["as_of_date"])
-                    cur.execute(card_sql("unapply", kind), undo)
-                return res
-
-            parts, failed = ranges.isolate_items(cur, list(valid), apply, self.record, "card_id")
-            for p in parts:
-                for k in ("cards_updated", "cards_locked"):
-                    out[k] += int(p[k])
-                out["overflow_ids"] += p["overflow_ids"]
-                out["skipped_ids"] += p["skipped_ids"]
-            if opts["dry_run"]:
-                cur.execute(sql("common/rollback_to_savepoint"))
-        for card_id in out["overflow_ids"]:
+        out, failed = self._apply_all(cur, valid) if valid else ({}, [])
+        for card_id in out.get("overflow_ids", []):
             log.error(
                 "item failed: card_kind=%s card_id=%s: score does not fit numeric(12,4) "
                 "(> %s); score not written",
-                kind,
+                self.kind,
                 card_id,
                 MAX_SCORE,
             )
-        errors = len(poison) + len(failed) + len(out["overflow_ids"])
-        processed = out["cards_locked"] + len(poison) + len(failed)
-        log.debug("batch %s: rows=%d updated=%d", kind, processed, out["cards_updated"])
-        return ranges.Batch(
-            ranges.Counters(
-                processed=processed,
-                changed=out["cards_updated"],
-                written=out["cards_locked"],  # each card locked got its snapshot
-                item_errors=errors,
-            ),
-            last_id=rows[-1]["id"],
-            full=len(rows) >= limit,
-            skipped_ids=out["skipped_ids"],
+        locked = out.get("cards_locked", 0)
+        counters = ranges.Counters(
+            processed=locked + len(poison) + len(failed),
+            changed=out.get("cards_updated", 0),
+            written=locked,  # each card locked got its snapshot
+            item_errors=len(poison) + len(failed) + len(out.get("overflow_ids", [])),
         )
+        full = len(rows) >= limit
+        skipped = out.get("skipped_ids", [])
+        return ranges.Batch(counters, last_id=rows[-1]["id"], full=full, skipped_ids=skipped)
+
+    def _apply_all(self, cur, valid: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list]:
+        """``catalog/apply`` for the ``valid`` cards (isolating the ones that make it fail;
+        rolled back in a dry run): its summed results, and the ids that failed."""
+        if self.opts["dry_run"]:
+            cur.execute(sql("common/savepoint"))
+        apply = functools.partial(self._apply, cur, valid)
+        parts, failed = ranges.isolate_items(cur, list(valid), apply, self.record, "card_id")
+        out: dict[str, Any] = {"cards_updated": 0, "cards_locked": 0}
+        out.update(overflow_ids=[], skipped_ids=[])
+        for part in parts:
+            for k, v in out.items():
+                out[k] = v + (part[k] if isinstance(v, list) else int(part[k]))
+        if self.opts["dry_run"]:
+            cur.execute(sql("common/rollback_to_savepoint"))
+        return out, failed
+
+    def _apply(self, cur, valid: dict[str, dict[str, Any]], ids: list[str]) -> list[dict]:
+        """``catalog/apply`` for the cards ``ids``; the snapshots of those it did not lock are
+        put back as they were (``catalog/unapply``)."""
+        at = {"kind": self.kind, "as_of": self.opts["as_of_date"]}
+        views, scores = [valid[i]["views"] for i in ids], [valid[i]["score"] for i in ids]
+        cur.execute(
+            card_sql("apply", self.kind), {**at, "ids": ids, "views": views, "scores": scores}
+        )
+        res = fetch_dicts(cur)
+        r = res[0]
+        if r["undo_ids"]:  # the cards not locked keep no snapshot of tonight
+            undo = {"ids": r["undo_ids"], "views": r["undo_views"], "created": r["undo_created"]}
+            cur.execute(card_sql("unapply", self.kind), {**undo, **at})
+        return res
 
 
 def make_batch(kind: str, opts: dict[str, Any], sweep_id: int, run_id: str) -> Recompute:

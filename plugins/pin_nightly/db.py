@@ -49,16 +49,21 @@ def _statements(directory: str) -> dict[str, str]:
     return out
 
 
+_FRAGMENT = re.compile(r"\{(\w+/\w+)\}")
+
+
 def sql(name: str) -> str:
     """The statement ``include/sql/<directory>/<name>``: a file of that name, or a named block
-    of a file in that directory."""
+    of a file in that directory; a ``{<directory>/<name>}`` in it is that fragment's text (an
+    expression written once, used by several statements)."""
     directory, _, statement = name.rpartition("/")
     try:
-        return _statements(directory)[statement]
+        text = _statements(directory)[statement]
     except KeyError:  # a packaging error, say where we looked
         raise FileNotFoundError(
             f"SQL statement {name!r} not found in {sql_dir() / directory} (set PIN_SQL_DIR?)"
         ) from None
+    return _FRAGMENT.sub(lambda m: sql(m.group(1)).strip(), text)
 
 
 def resolve(conn_id: str):

@@ -199,14 +199,18 @@ class Health:
         with transaction(conn) as cur:
             cur.execute(sql("health/signals"), params)
             row = fetch_one_dict(cur)
-        now = time.monotonic()
-        over: list[Reading] = []
         if not row["can_read_stats"] and not self._blind_warned and self.limits:
             self._blind_warned = True
             log.warning(
                 "pacing cannot see replica lag or vacuum progress: the job's role lacks "
                 "pg_read_all_stats (include/sql/schema/roles.sql grants it)"
             )
+        left = None if lease is None else row["seconds_left"] or 0.0
+        return self._over(row, time.monotonic()), left
+
+    def _over(self, row: dict[str, Any], now: float) -> list[Reading]:
+        """The signals of a ``health/signals`` row (and the range's own) over their limits."""
+        over: list[Reading] = []
 
         def check(signal: str, value, about: str = "") -> None:
             limit = self.limits.get(signal)
@@ -217,12 +221,8 @@ class Health:
             over += self._named_replicas(row["wal_bytes"])
         else:
             check("replica_lag_seconds", row["replica_lag_seconds"], row["replica_lag_seconds_of"])
-            lag_bytes = row["replica_lag_bytes"]
-            check(
-                "replica_lag_mb",
-                None if lag_bytes is None else lag_bytes / MB,
-                row["replica_lag_bytes_of"],
-            )
+            lag = row["replica_lag_bytes"]
+            check("replica_lag_mb", lag and lag / MB, row["replica_lag_bytes_of"])
         if row["vacuum"] and "vacuum" in self.limits:
             over.append(Reading("vacuum", 1, 0, row["vacuum"]))
         check("wal_mb_per_second", self._wal_rate(now, float(row["wal_bytes"])))
@@ -232,8 +232,7 @@ class Health:
         waiters, longest = self._waiters
         check("lock_waiters", waiters, f"longest wait {longest:.2f} s at the last batch's end")
         self._waiters = (0, 0.0)  # a waiter is counted once; the pause has let it through
-        left = None if lease is None else row["seconds_left"] or 0.0
-        return over, left
+        return over
 
     def _named_replicas(self, primary_bytes: float) -> list[Reading]:
         """The named replicas over a replica-lag limit (or unreachable), each read on its own
@@ -315,35 +314,30 @@ class Health:
         limit, the range's budget is spent, or a stop is requested; what it paused. ``label``
         names what waits in the log (``range ...``, ``retention``)."""
         pause = Pause()
-        if not self.on:
-            return pause
-        step = FIRST_PAUSE_S
-        started = time.monotonic()
-        healthy = False
-        while True:
+        step, started = FIRST_PAUSE_S, time.monotonic()
+        while self.on:
             over, left = self.read(conn, lease, budget_share)
             if not over:
-                healthy = True
-                break
-            for r in over:
-                if r.signal not in pause.signals:
-                    pause.signals.append(r.signal)
-                    metrics.incr(METRIC, tags={"dag_id": self.dag_id, "signal": r.signal})
+                if pause.signals:
+                    pause.seconds = time.monotonic() - started
+                    log.info(
+                        "%s resumes after %.1f s paused (%s)",
+                        label,
+                        pause.seconds,
+                        ", ".join(pause.signals),
+                    )
+                return pause
+            self._count(pause, over)
             if left is not None and left <= 0:
-                log.warning(
-                    "%s: budget spent while paused (%s); it stops here",
-                    label,
-                    "; ".join(map(str, over)),
-                )
+                log.warning("%s: budget spent while paused (%s); it stops here", label, _all(over))
                 break
             sleep = step
             if all(r.signal == "wal_mb_per_second" for r in over):
                 sleep = min(step, max(self._wal_wait(), 0.05))
-            if left is not None:
-                sleep = min(sleep, left)
+            sleep = sleep if left is None else min(sleep, left)
             log.warning(
                 "pausing: %s; %s rechecks in %.1f s (paused %.1f s so far)",
-                "; ".join(map(str, over)),
+                _all(over),
                 label,
                 sleep,
                 time.monotonic() - started,
@@ -352,14 +346,18 @@ class Health:
                 break
             step = min(step * 2, MAX_PAUSE_S)
         pause.seconds = time.monotonic() - started if pause.signals else 0.0
-        if pause.signals and healthy:
-            log.info(
-                "%s resumes after %.1f s paused (%s)",
-                label,
-                pause.seconds,
-                ", ".join(pause.signals),
-            )
         return pause
+
+    def _count(self, pause: Pause, over: list[Reading]) -> None:
+        """Note the signals a pause is for, each counted once in the pauses metric."""
+        for r in over:
+            if r.signal not in pause.signals:
+                pause.signals.append(r.signal)
+                metrics.incr(METRIC, tags={"dag_id": self.dag_id, "signal": r.signal})
+
+
+def _all(over: list[Reading]) -> str:
+    return "; ".join(map(str, over))
 
 
 def _from_database(exc: BaseException) -> bool:

@@ -73,10 +73,6 @@ class Job:
         """The worker of a range task (``rng`` a planned range)."""
         raise NotImplementedError
 
-    def guard(self, cur, run: Run) -> str | None:  # noqa: ARG002
-        """Why a range task of the run may write nothing any more (None: it may)."""
-        return None
-
     def result(self, run: Run, **given: Any) -> dict[str, Any]:  # noqa: ARG002
         """The job's fields of the run's result, before the run is counted."""
         return {}
@@ -128,25 +124,12 @@ def common_params(
     dry_run_description: str,
     ranges_per: str = "",
 ) -> dict[str, Any]:
-    """The params both jobs have: time budget, lease TTL, targeted ids, dry run, ranges."""
+    """The params both jobs have: time budget, lease TTL, targeted ids, dry run, ranges,
+    history retention and pacing."""
     from airflow.sdk import Param
 
     return {
-        "max_run_duration_minutes": Param(
-            run_minutes,
-            type="number",
-            exclusiveMinimum=0,
-            maximum=MAX_RUN_MINUTES,
-            description="Time budget: no batch starts later than this after the lease is "
-            f"taken; minutes, more than 0 and at most {MAX_RUN_MINUTES}",
-        ),
-        "lock_ttl_minutes": Param(
-            ttl_minutes,
-            type="number",
-            exclusiveMinimum=0,
-            maximum=MAX_TTL_MINUTES,
-            description="Lease TTL in minutes; must exceed max_run_duration_minutes",
-        ),
+        **budget_params(run_minutes, ttl_minutes),
         ids: Param(
             [],
             type="array",
@@ -170,6 +153,29 @@ def common_params(
             "rows a batch could not write (pin_nightly.item_error)"
         ),
         **pace_params(),
+    }
+
+
+def budget_params(run_minutes: float, ttl_minutes: float) -> dict[str, Any]:
+    """The run's time budget and the lease's TTL (see :func:`check_budget`)."""
+    from airflow.sdk import Param
+
+    return {
+        "max_run_duration_minutes": Param(
+            run_minutes,
+            type="number",
+            exclusiveMinimum=0,
+            maximum=MAX_RUN_MINUTES,
+            description="Time budget: no batch starts later than this after the lease is "
+            f"taken; minutes, more than 0 and at most {MAX_RUN_MINUTES}",
+        ),
+        "lock_ttl_minutes": Param(
+            ttl_minutes,
+            type="number",
+            exclusiveMinimum=0,
+            maximum=MAX_TTL_MINUTES,
+            description="Lease TTL in minutes; must exceed max_run_duration_minutes",
+        ),
     }
 
 
@@ -203,6 +209,17 @@ def pace_params() -> dict[str, Any]:
 
 def defaults(params: dict[str, Any]) -> dict[str, Any]:
     return {name: param.value for name, param in params.items()}
+
+
+def given(defaults: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A run's params over the defaults (keys that are no param are left out)."""
+    return {**defaults, **{k: v for k, v in dict(params).items() if k in defaults}}
+
+
+def refuse(errors: list[str]) -> None:
+    """Fail before anything is written when the options have ``errors``."""
+    if errors:
+        raise JobConfigError("invalid options: " + "; ".join(errors))
 
 
 def check_budget(p: dict[str, Any], errors: list[str]) -> None:
@@ -258,19 +275,7 @@ def acquire_lease(job: Job, opts: dict[str, Any], run_id: str) -> dict[str, Any]
         resolve(replica)  # a named replica's connection must exist before anything is written
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
-        try:
-            got = leases.acquire(
-                conn,
-                job.lock_key,
-                holder,
-                opts["lock_ttl_minutes"],
-                opts["max_run_duration_minutes"],
-            )
-        except BaseException:
-            # the lease may be written and this task still fail (the connection lost after the
-            # commit): the run's teardown does not run when its setup failed, so free it here
-            leases.release_holder(conn, job.lock_key, holder)
-            raise
+        got = _take_lease(conn, job, opts, holder)
     if isinstance(got, leases.LeaseHeld):
         log.warning(
             "%s: %s (key=%s holder=%s expires_at=%s)",
@@ -290,6 +295,18 @@ def acquire_lease(job: Job, opts: dict[str, Any], run_id: str) -> dict[str, Any]
     )
     trace = tracing.new_run(run_attributes(job, opts, run_id, holder))
     return {**got.to_xcom(), "acquired": True, "warnings": warnings, "trace": trace}
+
+
+def _take_lease(conn, job: Job, opts: dict[str, Any], holder: str):
+    """:func:`lease.acquire` for the run's holder, with the run's TTL and budget."""
+    ttl, budget = opts["lock_ttl_minutes"], opts["max_run_duration_minutes"]
+    try:
+        return leases.acquire(conn, job.lock_key, holder, ttl, budget)
+    except BaseException:
+        # the lease may be written and this task still fail (the connection lost after the
+        # commit): the run's teardown does not run when its setup failed, so free it here
+        leases.release_holder(conn, job.lock_key, holder)
+        raise
 
 
 def run_attributes(job: Job, opts: dict[str, Any], run_id: str, holder: str) -> dict[str, Any]:

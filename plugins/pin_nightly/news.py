@@ -18,7 +18,7 @@ import pendulum
 from airflow.sdk import Asset, Param
 
 from pin_nightly import jobs, metrics, ranges, runs, sweeps
-from pin_nightly.db import JobConfigError, fetch_dicts, fetch_one_dict, sql, transaction
+from pin_nightly.db import fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly.jobs import parse_uuids
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def validate_options(
     access."""
     from croniter import croniter
 
-    p = {**DEFAULTS, **{k: v for k, v in dict(params).items() if k in DEFAULTS}}
+    p = jobs.given(DEFAULTS, params)
     errors: list[str] = []
     if not croniter.is_valid(p["full_sweep_cron"]):
         errors.append(f"full_sweep_cron is not a valid cron expression: {p['full_sweep_cron']!r}")
@@ -207,23 +207,13 @@ def validate_options(
         errors.append(
             f"post_ids asks for a targeted repair; leave scope at 'auto' (got {p['scope']!r})"
         )
-    if errors:
-        raise JobConfigError("invalid options: " + "; ".join(errors))
-
-    instant = run_instant
-    if post_ids:
-        scope = "Targeted"
-    elif p["scope"] == "auto":
-        scope = (
-            "FullSweep" if cron_fires_on_day(p["full_sweep_cron"], instant, TZ) else "DailyWindow"
-        )
-    else:
-        scope = p["scope"]
+    jobs.refuse(errors)
+    scope = _effective_scope(p, post_ids, run_instant)
     opts = {
         **p,
         "post_ids": post_ids,
         "effective_scope": scope,
-        "run_instant": pendulum.instance(instant).in_timezone(TZ).isoformat(),
+        "run_instant": pendulum.instance(run_instant).in_timezone(TZ).isoformat(),
         "run_tag": jobs.run_tag(),
         "nightly": nightly,
     }
@@ -238,6 +228,16 @@ def validate_options(
         len(post_ids),
     )
     return opts
+
+
+def _effective_scope(p: dict[str, Any], post_ids: list[str], instant: datetime) -> str:
+    """The run's scope: Targeted for given posts; auto is FullSweep on the nights that
+    ``full_sweep_cron`` fires on in Europe/Moscow, else DailyWindow."""
+    if post_ids:
+        return "Targeted"
+    if p["scope"] != "auto":
+        return p["scope"]
+    return "FullSweep" if cron_fires_on_day(p["full_sweep_cron"], instant, TZ) else "DailyWindow"
 
 
 def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:
@@ -395,12 +395,7 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     )
     if nightly:
         drift, since = counted["nightly"], "since the previous nightly run's summary"
-        signals.gauges += [
-            [f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"], None],
-            [f"{METRIC}_last_run_drift_corrected", drift, None],
-            # the nightly's threshold, so that the rule compares with it, not a copied number
-            [f"{METRIC}_drift_alert_threshold", threshold, None],
-        ]
+        signals.gauges += _nightly_gauges(result, drift, threshold)
     else:
         drift, since = counted["own"], "in this run"
     # success means the nightly work was done: not a targeted repair, nothing left behind
@@ -410,6 +405,16 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     if window.current and drift > threshold:
         signals.alert = {"drift_corrected": drift, "threshold": threshold, "counted": since}
     return signals
+
+
+def _nightly_gauges(result: dict[str, Any], drift: int, threshold: int) -> list:
+    """The gauges that describe the nightly work, which the alert rules compare."""
+    return [
+        [f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"], None],
+        [f"{METRIC}_last_run_drift_corrected", drift, None],
+        # the nightly's threshold, so that the rule compares with it, not a copied number
+        [f"{METRIC}_drift_alert_threshold", threshold, None],
+    ]
 
 
 def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:

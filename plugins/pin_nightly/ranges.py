@@ -52,6 +52,11 @@ class Worker:
         """Exactly the rows ``ids`` a batch skipped because locked, waiting for their locks."""
         raise NotImplementedError
 
+    def guard(self, cur) -> str | None:  # noqa: ARG002
+        """Why a range of the sweep may write nothing any more (None: it may), checked once
+        before the range's first batch."""
+        return None
+
     @property
     def record(self) -> dict[str, Any]:
         """What an item error of its batches is recorded with (:func:`isolate_items`)."""
@@ -235,38 +240,42 @@ def run_range(
 ) -> RangeResult:
     """Work through one range, batch by batch (``job.batch``), from its saved cursor.
 
-    Stops before a batch when the run's deadline has passed (``interrupted``: the next run
-    resumes) or when a stop was requested. Rows skipped because locked are retried once at the
-    end of the range with a short ``lock_timeout`` (``job.retry``). A range that is no longer
-    the acquisition's (adopted by a later run, its sweep abandoned or closed) is left alone:
-    ``superseded``. Before each batch the range waits while the database's health signals
-    are over the run's limits (``health``; by default from the job's options, see
-    :mod:`pin_nightly.health`).
+    A range that is no longer the acquisition's (adopted by a later run, its sweep abandoned
+    or closed), or whose worker's :meth:`~Worker.guard` says why it may write nothing, is left
+    alone: ``superseded``, checked before the lease is taken again (:func:`lease.rejoin`: the
+    lease may be gone when a task is cleared late). Stops before a batch when the run's
+    deadline has passed (``interrupted``: the next run resumes) or when a stop was requested.
+    Rows skipped because locked are retried once at the end of the range with a short
+    ``lock_timeout`` (``job.retry``). Before each batch the range waits while the database's
+    health signals are over the run's limits (``health``; by default from the job's options,
+    see :mod:`pin_nightly.health`).
     """
     ids = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
-    key = {**ids, "owner": lease.holder}
-    work = _Range(conn, job, lease, key, rng.get("label", key), rng.get("budget_share", 1.0))
-    work.health = health or healths.Health.from_opts(job.opts, job.writes, job.dag_id)
-    with work.health:
-        return _run_range(work, rng, batch_size, stop or StopSignal())
-
-
-def _run_range(work: _Range, rng: dict[str, Any], batch_size: int, stop) -> RangeResult:
-    conn, lease = work.conn, work.lease
-    ids = {k: work.key[k] for k in ("sweep_id", "range_no")}
     row = get_range(conn, rng)
     res = RangeResult(**ids, status="done", cursor_id=row["cursor_id"])
     why = superseded(row, lease.holder)
+    if why is None:
+        with transaction(conn) as cur:
+            why = job.guard(cur)
     if why is not None:
-        log.warning("range %s: %s; nothing written", work.label, why)
+        log.warning("range %s: %s; this task writes nothing", rng.get("label", ids), why)
         return replace(res, status="superseded", superseded_by=why)
     if row["status"] == "done":
-        log.info("range %s is already done", work.label)
+        log.info("range %s is already done", rng.get("label", ids))
         return res
+    lease = leases.rejoin(conn, lease)
+    key, share = {**ids, "owner": lease.holder}, rng.get("budget_share", 1.0)
+    work = _Range(conn, job, lease, key, rng.get("label", ids), share)
+    work.health = health or healths.Health.from_opts(job.opts, job.writes, job.dag_id)
+    with work.health:
+        return _work_range(work, row, batch_size, stop or StopSignal(), res)
+
+
+def _work_range(work: _Range, row, batch_size: int, stop, res: RangeResult) -> RangeResult:
     res, skipped = _work_batches(work, row, batch_size, stop, res)
     if res.status == "done":
         res += _retry_skipped(work, skipped, stop)
-        with transaction(conn) as cur:
+        with transaction(work.conn) as cur:
             work.update(cur, "common/range_done", why="taken over by someone else")
     if stop.requested:
         res.status = "stopped"

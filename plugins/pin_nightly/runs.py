@@ -115,30 +115,18 @@ def plan(run: Run, part: str | None = None) -> list[dict[str, Any]]:
 
 
 def work_range(run: Run, rng: dict[str, Any]) -> dict[str, Any]:
-    """A mapped range task: work through the range (the job's worker on its sweep), stop
-    gracefully. A range that is no longer this run's (a later run adopted it, or its sweep was
-    abandoned for a newer date: the task was cleared late), or for which the job's
-    :meth:`~pin_nightly.jobs.Job.guard` says why the run may write nothing, writes nothing and
-    ends green, saying which run took over."""
+    """A mapped range task: work through the range (the job's worker on its sweep, see
+    :func:`ranges.run_range`), stop gracefully. A range that is no longer this run's (a later
+    run adopted it, or its sweep was abandoned for a newer date: the task was cleared late), or
+    whose worker's guard says why the run may write nothing, writes nothing and ends green,
+    saying which run took over."""
     worker = run.job.worker(run, rng)
     with (
         tracing.in_run(run.trace),
         tracing.span("range", _range_start, run, rng, worker.span_attributes) as span,
     ):
-        taken = run.held()
-        with run.connect() as conn:  # one connection for the whole task
-            why = ranges.superseded(ranges.get_range(conn, rng), taken.holder)
-            if why is None:
-                with transaction(conn) as cur:
-                    why = run.job.guard(cur, run)
-            if why is None:
-                lease = leases.rejoin(conn, taken)
-                with ranges.StopSignal() as stop:
-                    res = ranges.run_range(conn, rng, lease, run.opts["batch_size"], worker, stop)
-            else:
-                log.warning("range %s: %s; this task writes nothing", rng["label"], why)
-                ids = {"sweep_id": rng["sweep_id"], "range_no": rng["range_no"]}
-                res = ranges.RangeResult(**ids, status="superseded", superseded_by=why)
+        with run.connect() as conn, ranges.StopSignal() as stop:  # one connection for the task
+            res = ranges.run_range(conn, rng, run.held(), run.opts["batch_size"], worker, stop)
         tracing.set_result(span, _range_result, res)
         out = {**res.__dict__, "label": rng["label"]}
         log.info(

@@ -38,13 +38,17 @@ RETURNING token, acquired_at, expires_at, run_deadline_at
 -- now() to stop a run gracefully), or the worker's share of the run's budget (budget_share, a
 -- fraction: a pass that must leave time to the passes after it), and whether the lease is due
 -- for renewal.
-SELECT run_deadline_at <= clock_timestamp()
-           OR acquired_at + (run_deadline_at - acquired_at) * %(budget_share)s::float8
-              <= clock_timestamp()                   AS past_deadline,
-       expires_at - clock_timestamp() < ttl / 2    AS renew_due
+SELECT {common/share_deadline} <= clock_timestamp() AS past_deadline,
+       expires_at - clock_timestamp() < ttl / 2     AS renew_due
   FROM pin_nightly.job_lease
  WHERE lock_key = %(lock_key)s AND token = %(token)s AND expires_at > clock_timestamp()
    FOR SHARE
+
+-- name: share_deadline
+-- A fragment (of lease_fence and health/signals, on a pin_nightly.job_lease row): when a worker
+-- given budget_share of the run's budget (a fraction) starts no new batch: the run's deadline,
+-- or that share of the time from the acquisition to it, whichever comes first.
+least(run_deadline_at, acquired_at + (run_deadline_at - acquired_at) * %(budget_share)s::float8)
 
 -- name: lease_renew
 UPDATE pin_nightly.job_lease

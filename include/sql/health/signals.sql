@@ -41,10 +41,7 @@ SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes,
                      FROM pg_stat_archiver
                     WHERE last_archived_wal ~ '^[0-9A-F]{24}') AS a, segment AS s)
        END AS archive_backlog,
-       (SELECT extract(epoch FROM least(run_deadline_at,
-                                        acquired_at + (run_deadline_at - acquired_at)
-                                                      * %(budget_share)s::float8)
-                                  - clock_timestamp())::float8
+       (SELECT extract(epoch FROM {common/share_deadline} - clock_timestamp())::float8
           FROM pin_nightly.job_lease
          WHERE lock_key = %(lock_key)s AND token = %(token)s) AS seconds_left,
        pg_has_role('pg_read_all_stats', 'USAGE') AS can_read_stats
