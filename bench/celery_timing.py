@@ -1,8 +1,8 @@
 """How long a 4-range news FullSweep takes on the CeleryExecutor with 1 and with 2 workers
-(README, "Scale-out"): the benchmark's news data (``bench/data.py``, generated once per scale,
-its counters restored before every run), a throw-away Redis, and a :class:`CeleryStack`
-whose news pool has as many slots as ranges, so that only the workers limit how many ranges run
-at once (workers x concurrency).
+(docs/operations.md, "Scale-out"): the benchmark's news data (``bench/data.py``, generated
+once per scale, its counters restored before every run), a throw-away Redis, and a
+:class:`CeleryStack` whose news pool has as many slots as ranges, so that only the workers
+limit how many ranges run at once (workers x concurrency).
 
     .venv/bin/python -m bench.celery_timing [--scale 0.25] [--batch-size 50] [--repeat 2]
                                             [--setups 1x1,2x1,1x2,2x2]

@@ -27,7 +27,7 @@ the nightly's.
 - summary `status: skipped, lock held`: another run holds
   `Pin:lock:job:scheduled:catalog-popularity-recompute` (see `pin_nightly.job_lease`).
 - a `recompute_*` range failed (database down, lease lost, a session timeout:
-  README "Session bounds"): the batch in flight was rolled back
+  docs/schema.md "Session bounds"): the batch in flight was rolled back
   and the passes after it wait; fix the cause and clear that task instance with its downstream
   tasks (it resumes from its cursor; cleared while its sibling ranges still run, its setup
   re-joins the run's lease as it is: the siblings go on and the run's budget does not start
@@ -37,12 +37,13 @@ the nightly's.
   `status: success` means both passes completed and nothing is left; `scores_as_of_date` is
   the newest date whose two passes completed.
 - `pausing: <signal>=<value> over <limit>` in a range's (or `retention`'s) log: the database
-  was unhealthy and the batches waited (README "Pacing on the database's health"); a run whose
-  budget ran out paused ends `backlog_remaining`, and the next run resumes.
+  was unhealthy and the batches waited (docs/operations.md "Pacing on the database's
+  health"); a run whose budget ran out paused ends `backlog_remaining`, and the next run resumes.
 - `item_errors` > 0: poison cards (NULL or negative `popularity_views`, a score too large for
   numeric(12,4), an update a trigger or constraint rejects: `pin_nightly.item_error`); the log
   lists `card_kind` and `card_id` at ERROR. Fix the data; the next run picks them up.
-- `nothing written: snapshots dated after today`: delete those rows (README, Runbook).
+- `nothing written: snapshots dated after today`: delete those rows (docs/runbook.md, Stuck
+  states).
 - scores stale (`scores_as_of_date` more than 30 h old): no run completed both passes lately.
 - a night cut early (budget, graceful stop, failure): the next night's pass starts with the
   cards it did not reach, in every range; when a pass was left unfinished the passes swap for
@@ -54,7 +55,7 @@ both passes of its `as_of_date`; it is skipped (no event) for dry, targeted, ski
 unfinished runs.
 
 Targeted recompute: trigger with `{"card_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
-Full runbook: README.md, section "Runbook".
+Full runbook: docs/runbook.md.
 
 The logic lives in `plugins/pin_nightly/catalog.py`; SQL in `include/sql/catalog/`.
 """

@@ -23,7 +23,8 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   the acquisition) holds `Pin:lock:job:scheduled:news-comment-reconcile`; the run did
   nothing and succeeded. The lease expires by its TTL (`pin_nightly.job_lease` shows the holder).
 - a `reconcile_range` failed: read its log, fix the cause (database down, lease lost, a session
-  timeout: README "Session bounds"), then clear that task instance: it resumes from its cursor
+  timeout: docs/schema.md "Session bounds"), then clear that task instance: it resumes from
+  its cursor
   (cleared while its sibling ranges still run, its setup re-joins the run's lease as it is:
   the siblings go on and the run's budget does not start again).
   Airflow 3.3.2 answers a clear made before the run's budget (the lease TTL) has passed
@@ -31,8 +32,8 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   Cleared after a later run adopted its range, it writes nothing and says `superseded by the
   run ...` (green).
 - `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the
-  batches waited (README "Pacing on the database's health"); a run whose budget ran out paused
-  ends `backlog_remaining`, and the next run resumes.
+  batches waited (docs/operations.md "Pacing on the database's health"); a run whose budget
+  ran out paused ends `backlog_remaining`, and the next run resumes.
 - `item_errors` > 0: a post could not be written (a trigger or constraint rejected it); the
   others were, the range went on. `pin_nightly.item_error` has the post and its error.
 - drift alert (a nightly run: corrections since the previous nightly summary above
@@ -46,7 +47,7 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
 sweep; it is skipped (no event) for dry, targeted, skipped or unfinished runs.
 
 Targeted repair: trigger with `{"post_ids": ["<uuid>", ...]}`; try `{"dry_run": true}` first.
-Full runbook: README.md, section "Runbook".
+Full runbook: docs/runbook.md.
 
 The logic lives in `plugins/pin_nightly/news.py`; SQL in `include/sql/news/`.
 """

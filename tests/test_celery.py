@@ -9,7 +9,7 @@ Proved on the databases, not on counters:
 
 - a 4-range FullSweep runs its ranges on both workers, two at a time, and every post is exact,
   with each correction made once; the jobs' database sees at most 2 job connections at once and
-  exactly the number of sessions the README's "Scale-out" section states;
+  exactly the number of sessions docs/operations.md's "Scale-out" section states;
 - a worker SIGKILLed (with every process under it) while one of its ranges is held mid-batch:
   Airflow fails the attempt on its heartbeat timeout and retries it on the surviving worker, the
   retry starts after the range's last committed batch (the range's checkpoint row and the
@@ -251,9 +251,9 @@ def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
     sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
     assert db.rows_per_range(sweep) == [1000] * 4  # each post read once
     assert_news_exact(db, sweep, drift)
-    # what the README's table says a 4-range run costs the jobs' database: one connection per
-    # running range (never more than the pool's slots at once); in all acquire_lease 1,
-    # plan_ranges 1, each range 1, summarize 2, release_lease 1
+    # what docs/operations.md's table says a 4-range run costs the jobs' database: one
+    # connection per running range (never more than the pool's slots at once); in all
+    # acquire_lease 1, plan_ranges 1, each range 1, summarize 2, release_lease 1
     print(f"job sessions opened: {jc.opened}, at most {jc.peak} at once")
     # never more connections at once than the pool's slots (two ranges at once are shown by
     # their run intervals above; sampling may miss the instant both connections are open)

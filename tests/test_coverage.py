@@ -26,7 +26,7 @@ H = 7
 
 
 def graceful_stop_after(monkeypatch, db, batches: int, kind: str | None = None) -> dict:
-    """The README's graceful stop (``run_deadline_at = now()``), made after ``batches`` batches
+    """The runbook's graceful stop (``run_deadline_at = now()``), made after ``batches`` batches
     of card kind ``kind`` (any kind, or news, when None) of each run: once the batch has
     committed, so that no batch waits for it. Returns the count of batches that read rows."""
     real = ranges._Range.batch

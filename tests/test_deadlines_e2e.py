@@ -50,9 +50,9 @@ def fire_times(dag_id: str, now: pendulum.DateTime) -> tuple[pendulum.DateTime, 
     return prev, timetable._get_next(prev)
 
 
-def readme_anchors() -> set[str]:
-    """GitHub's anchors of README.md's headings."""
-    text = (devenv.REPO / "README.md").read_text()
+def runbook_anchors() -> set[str]:
+    """GitHub's anchors of docs/runbook.md's headings."""
+    text = (devenv.REPO / "docs" / "runbook.md").read_text()
     return {
         re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
         for h in re.findall(r"^#+ (.+)$", text, re.M)
@@ -156,8 +156,8 @@ def assert_links(stack: Stack, msg: dict, dag_id: str, run_id: str, name: str) -
     assert msg["run_url"] == f"{stack.base}/dags/{dag_id}/runs/{quote(run_id, safe='')}"
     with urllib.request.urlopen(msg["run_url"], timeout=30) as resp:  # noqa: S310 - loopback
         assert resp.status == 200
-    assert msg["runbook"] == f"README.md#{name}"
-    assert name in readme_anchors(), f"README.md has no section {name!r}"
+    assert msg["runbook"] == f"docs/runbook.md#{name}"
+    assert name in runbook_anchors(), f"docs/runbook.md has no section {name!r}"
 
 
 def assert_not_started(stack: Stack, dag_id: str, run_id: str) -> None:
@@ -198,8 +198,8 @@ def test_without_a_base_url_the_message_says_so_instead_of_a_link():
         assert msg["description"] == (
             "the run had not finished 45 min after it was queued (its time budget and a margin)"
         )
-        assert msg["runbook"] == "README.md#run_over_budget"
-    assert "run_over_budget" in readme_anchors()
+        assert msg["runbook"] == "docs/runbook.md#run_over_budget"
+    assert "run_over_budget" in runbook_anchors()
 
 
 def test_no_success_deadline_of_a_failed_scheduled_run(stack, scheduled):

@@ -320,7 +320,7 @@ def test_prometheus_scrapes_the_exporter_and_loads_the_rules(prometheus):
 
 # ------------------------------------------------------------------------------- alerts
 SEVERITIES = {"critical", "warning", "info"}
-RUNBOOK = "README.md#runbook"
+RUNBOOK = "docs/runbook.md#runbook"
 
 
 def test_every_alert_has_severity_summary_description_and_runbook(alerts):

@@ -497,7 +497,7 @@ def test_a_drift_spike_is_posted_to_the_alert_channel(news_db, monkeypatch, capf
         [msg] = hook.wait_for(lambda m: m.get("alert") == "drift_above_threshold", timeout=5)
         assert (msg["dag_id"], msg["run_id"]) == (DAG, r["summary"]["run_id"])
         assert (msg["drift_corrected"], msg["threshold"]) == (2, 1)
-        assert msg["runbook"] == "README.md#drift_above_threshold"
+        assert msg["runbook"] == "docs/runbook.md#drift_above_threshold"
 
         monkeypatch.delenv("AIRFLOW_CONN_PIN_ALERTS")
         news_db.post(count=9, visible=1)

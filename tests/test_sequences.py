@@ -194,7 +194,7 @@ def test_future_dated_snapshots_are_reported_and_never_set_the_retention_horizon
     assert s["status"].startswith("nothing written: snapshots dated after today"), s
     assert "delete them" in s["status"]
     assert catalog_db.snapshots(card) == [*real, (today + timedelta(days=40), 45)]
-    # the README's recovery: delete the future rows; the next run works
+    # the runbook's recovery: delete the future rows; the next run works
     catalog_db.q("DELETE FROM catalog.popularity_daily_views WHERE run_date > %s", today)
     assert assert_ok(run_dag(CATALOG, {}))["status"] == "success"
     assert catalog_db.snapshots(card) == [*real, (today, 50)]

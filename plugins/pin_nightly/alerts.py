@@ -8,7 +8,7 @@ channel is set. No secret is in code: the URL and credentials live in the connec
 
 Every message names the DAG, the run and its state, says in one line what was missed, links to
 the run in the Airflow UI (``[api] base_url`` + ``/dags/{dag_id}/runs/{run_id}``) and points to
-the README section that says what to do (``README.md#<alert name>``).
+the runbook section that says what to do (``docs/runbook.md#<alert name>``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def run_fields(
         "run_state": run_state or "unknown",
         "description": description,
         "run_url": run_url(base, dag_id, run_id),
-        "runbook": f"README.md#{name}",
+        "runbook": f"docs/runbook.md#{name}",
     }
 
 

@@ -235,7 +235,7 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
     if g["newest_snapshot"] is not None and g["newest_snapshot"] > g["today"]:
         return (
             f"snapshots dated after today ({g['today']}) exist, up to {g['newest_snapshot']}: "
-            "delete them (README, Runbook: snapshots dated in the future)"
+            "delete them (docs/runbook.md, Stuck states: snapshots dated in the future)"
         )
     if g["newest_pass"] is not None and g["newest_pass"] > as_of:
         return f"superseded by the run {g['newest_pass_run']} of {g['newest_pass']}"

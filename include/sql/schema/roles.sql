@@ -115,7 +115,7 @@ BEGIN
 END
 $grants$;
 
--- Pacing on the database's health (README): the jobs read replica lag (pg_stat_replication)
+-- Pacing on the database's health (docs/operations.md): the jobs read replica lag (pg_stat_replication)
 -- and VACUUM progress (pg_stat_progress_vacuum) of sessions that are not theirs, which only
 -- members of pg_read_all_stats see (it reveals statistics and the queries of other sessions,
 -- never data). Granting a predefined role needs a superuser (or ADMIN OPTION on it): a DBA
