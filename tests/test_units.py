@@ -223,3 +223,21 @@ def test_a_rotated_range_of_an_earlier_release_is_read_as_it_ran():
     assert before == ([("e", "f"), ("b", "d"), ("f", None)], [("d", "e")])
     after = sweeps.coverage([_range(None, "f", cursor="b", wrap_at="d", wrapped=True)])
     assert after == ([("b", "d")], [(None, "b"), ("d", "f")])
+
+
+def test_the_budget_share_is_written_once_and_put_in_place_where_it_is_read():
+    """The share of the run's budget a range may use: one SQL fragment, which the fence (no new
+    batch past it) and the health reading (seconds left to pause) both expand."""
+    from pin_nightly.db import sql, sql_dir
+
+    fragment = sql("common/share_deadline").strip().splitlines()[-1]
+    assert "%(budget_share)s" in fragment
+    blocks = [
+        block.split()[0]
+        for path in sql_dir().rglob("*.sql")
+        for block in path.read_text().split("-- name: ")
+        if "%(budget_share)s" in block
+    ]
+    assert blocks == ["share_deadline"]
+    for statement in ("common/lease_fence", "health/signals"):
+        assert fragment in sql(statement) and "{common/" not in sql(statement)
