@@ -66,32 +66,19 @@ import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
 
 from pin_nightly import catalog, jobs, runs
-from pin_nightly.deadlines import deadline_alerts
 
 POOL = "catalog_popularity_recompute"
 
 
 with DAG(
-    dag_id="catalog_popularity_recompute",
     description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
     "cards, at 03:00 UTC",
     schedule=CronTriggerTimetable("0 3 * * *", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    # SLA: finish within the lease's default TTL of being queued; succeed within
-    # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
-    deadline=deadline_alerts("catalog_popularity_recompute", catalog.RUN_BUDGET_MINUTES),
     doc_md=__doc__,  # the runbook in the UI: this module's docstring
     tags=["pin-nightly", "catalog"],
-    # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2).
-    default_args={
-        "owner": "PIN Marketplace (Catalog squad)",
-        # every failed task attempt counts in <job>_errors_total
-        "on_failure_callback": catalog.task_failed,
-        "on_retry_callback": catalog.task_failed,
-    },
-    params=catalog.PARAMS,
+    # one run at a time, params, deadline alerts (SLA), failed attempts counted, retries
+    **jobs.dag_settings(catalog.JOB, catalog.PARAMS, owner="PIN Marketplace (Catalog squad)"),
 ) as dag:
 
     @task(pool=POOL)

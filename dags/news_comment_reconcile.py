@@ -58,33 +58,19 @@ import pendulum
 from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
 
 from pin_nightly import jobs, news, runs
-from pin_nightly.deadlines import deadline_alerts
 
 POOL = "news_comment_reconcile"
 
 
 with DAG(
-    dag_id="news_comment_reconcile",
     description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
     "Europe/Moscow (00:00 UTC, as the UI shows it)",
     schedule=CronTriggerTimetable("0 3 * * *", timezone="Europe/Moscow"),
     start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
-    catchup=False,
-    max_active_runs=1,
-    # SLA: finish within the lease's default TTL of being queued; succeed within
-    # 26 h of the logical date. Per deployment: PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS.
-    deadline=deadline_alerts("news_comment_reconcile", news.RUN_BUDGET_MINUTES),
     doc_md=__doc__,  # the runbook in the UI: this module's docstring
     tags=["pin-nightly", "news"],
-    # Retries follow [core] default_task_retries of the deployment (docker-compose sets 2): a
-    # retried reconcile_range resumes from its cursor.
-    default_args={
-        "owner": "PIN Engagement",
-        # every failed task attempt counts in <job>_errors_total
-        "on_failure_callback": news.task_failed,
-        "on_retry_callback": news.task_failed,
-    },
-    params=news.PARAMS,
+    # one run at a time, params, deadline alerts (SLA), failed attempts counted, retries
+    **jobs.dag_settings(news.JOB, news.PARAMS, owner="PIN Engagement"),
 ) as dag:
 
     @task(pool=POOL)

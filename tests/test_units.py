@@ -62,10 +62,14 @@ def test_retention_never_keeps_less_than_the_nightly_window(window, kept):
     assert catalog.retention_days({"window_days": window}) == kept
 
 
-def test_params_defaults_and_deadline_budget_come_from_one_definition():
+def test_params_defaults_and_deadline_budget_come_from_one_definition(monkeypatch):
+    from pin_nightly import jobs
+
     for job in (news, catalog):
         assert job.DEFAULTS == {k: p.value for k, p in job.PARAMS.items()}
-        assert job.RUN_BUDGET_MINUTES == job.PARAMS["lock_ttl_minutes"].value
+        monkeypatch.delenv(f"PIN_{job.JOB.dag_id.upper()}_RUN_DEADLINE_SECONDS", raising=False)
+        budget = jobs.dag_settings(job.JOB, job.PARAMS, "owner")["deadline"][0]
+        assert budget.interval == timedelta(minutes=job.PARAMS["lock_ttl_minutes"].value)
         assert all(p.description for p in job.PARAMS.values())
 
 

@@ -99,8 +99,6 @@ JOB = Popularity(
     code="catalog-popularity-recompute",
     dag_id="catalog_popularity_recompute",
     conn_id="catalog_db",
-    lock_key="Pin:lock:job:scheduled:catalog-popularity-recompute",
-    metric=METRIC,
     domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
     owned_ddl=[
         ("pin_nightly.run_signal", "schema/pin_nightly"),
@@ -155,9 +153,6 @@ PARAMS = {
     ),
 }
 DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
-# Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
-# the job.
-RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
 
 
 # The result's fields of each card kind (<CardKind.result>_<field>), from the passes' counters.
@@ -627,8 +622,3 @@ def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
         "resumed": result["resumed"],
         "run_id": result["run_id"],
     }
-
-
-def task_failed(context: dict[str, Any]) -> None:
-    """Every failed task attempt of the DAG counts in the errors metric."""
-    jobs.task_failed(METRIC, context)

@@ -42,10 +42,8 @@ class Job:
     the framework (:mod:`pin_nightly.runs`) calls; a job module defines one subclass."""
 
     code: str  # the job code of the spec, e.g. news-comment-reconcile
-    dag_id: str
+    dag_id: str  # also the prefix of its metrics
     conn_id: str
-    lock_key: str
-    metric: str  # prefix of its metrics
     domain_columns: dict[str, list[str]]
     # (relation that proves the DDL was applied, include/sql file with the DDL)
     owned_ddl: list[tuple[str, str]]
@@ -59,6 +57,11 @@ class Job:
         ("item_error_retention_days", "common/prune_item_errors"),
     )
     completed: str = "job completed: %(status)s"  # the summary's log line (of the result)
+
+    @property
+    def lock_key(self) -> str:
+        """The spec's single-flight lock key of the job."""
+        return f"Pin:lock:job:scheduled:{self.code}"
 
     def holder(self, opts: dict[str, Any], run_id: str) -> str:
         """The lease holder, and owner of the sweeps, of the run's acquisition."""
@@ -92,6 +95,30 @@ class Job:
 
     def alert(self, run: Run, alert: dict[str, Any]) -> None:
         """Send the alert a summary's signals carry."""
+
+
+def dag_settings(job: Job, params: dict[str, Any], owner: str) -> dict[str, Any]:
+    """The DAG arguments both jobs' DAGs share: one run at a time and no catchup, the job's
+    params, two deadline alerts (SLA: finish within the lease's default TTL of being queued,
+    succeed within 26 h of the logical date; per deployment:
+    ``PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS``), and every failed task attempt counted in
+    ``<job>_errors_total``. Retries follow ``[core] default_task_retries`` of the deployment
+    (docker-compose sets 2): a retried range resumes from its cursor."""
+    from pin_nightly.deadlines import deadline_alerts
+
+    counted = functools.partial(task_failed, job.dag_id)
+    return {
+        "dag_id": job.dag_id,
+        "catchup": False,
+        "max_active_runs": 1,
+        "deadline": deadline_alerts(job.dag_id, params["lock_ttl_minutes"].value),
+        "params": params,
+        "default_args": {
+            "owner": owner,
+            "on_failure_callback": counted,
+            "on_retry_callback": counted,
+        },
+    }
 
 
 # Upper bounds of the run budget and the lease TTL: larger values overflow PostgreSQL's

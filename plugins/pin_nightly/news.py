@@ -98,8 +98,6 @@ JOB = News(
     code="news-comment-reconcile",
     dag_id="news_comment_reconcile",
     conn_id="news_db",
-    lock_key="Pin:lock:job:scheduled:news-comment-reconcile",
-    metric=METRIC,
     domain_columns={
         "news.posts": ["id", "status", "comments_count", "updated_at"],
         "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
@@ -174,9 +172,6 @@ PARAMS = {
     "drift_retention_days": jobs.retention_param("drift records (pin_nightly.news_drift)"),
 }
 DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
-# Deadline of a run (from being queued): the lease's default TTL, the longest a run may hold
-# the job.
-RUN_BUDGET_MINUTES = DEFAULTS["lock_ttl_minutes"]
 
 
 def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:
@@ -458,8 +453,3 @@ def _last_completed(conn) -> dict[str, float]:
     with transaction(conn) as cur:
         cur.execute(sql("common/sweeps_last_completed"), {"job": JOB.code})
         return dict(cur.fetchall())
-
-
-def task_failed(context: dict[str, Any]) -> None:
-    """Every failed task attempt of the DAG counts in the errors metric."""
-    jobs.task_failed(METRIC, context)

@@ -194,7 +194,7 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
     if run.lease is not None:
         release_lease(run)
         if signals is not None:
-            metrics.gauge(f"{job.metric}_backlog_remaining", int(result["backlog_remaining"]))
+            metrics.gauge(f"{job.dag_id}_backlog_remaining", int(result["backlog_remaining"]))
             signals[0].send(signals[1], functools.partial(job.alert, run))
     return result
 
