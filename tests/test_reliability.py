@@ -591,6 +591,36 @@ def test_job_sessions_are_bounded_unless_the_connection_bounds_them(news_db):
         assert bound_session(conn) == {**SESSION_BOUNDS, "lock_timeout": "2s"}
 
 
+def test_job_sessions_compress_wal_where_the_role_may(news_db):
+    """wal_compression (zstd, else lz4, else pglz) in every job session whose role may set it and whose
+    server leaves it off: a superuser, or a role granted SET ON PARAMETER (the option in
+    roles.sql); a role without the grant, or a server that sets it, keeps the server's value."""
+    from psycopg.conninfo import make_conninfo
+
+    from pin_nightly.db import bound_session
+
+    methods = news_db.one("SELECT enumvals FROM pg_settings WHERE name = 'wal_compression'")
+    best = next(m for m in ("zstd", "lz4", "pglz") if m in methods)
+    login = f"pin_walc_{os.getpid()}"
+    news_db.q(f'CREATE ROLE "{login}" LOGIN')
+    try:
+        as_login = make_conninfo(news_db.dsn, user=login)
+        cases = [(news_db.dsn, "", best), (as_login, "", "off")]  # a superuser; no grant
+        if best != "pglz":  # a server built with zstd or lz4: a value set there is kept
+            cases.append((news_db.dsn, "-c wal_compression=pglz", "pglz"))
+        for dsn, options, expected in cases:
+            with psycopg.connect(dsn, options=options) as conn:
+                bound_session(conn)
+                assert conn.execute("SHOW wal_compression").fetchone() == (expected,)
+        news_db.q(f'GRANT SET ON PARAMETER wal_compression TO "{login}"')
+        with psycopg.connect(as_login) as conn:
+            bound_session(conn)
+            assert conn.execute("SHOW wal_compression").fetchone() == (best,)
+    finally:
+        news_db.q(f'REVOKE ALL ON PARAMETER wal_compression FROM "{login}"')
+        news_db.q(f'DROP ROLE "{login}"')
+
+
 # --- 3c. the lease taken over while a slow worker still runs (fencing) --------------------------
 
 

@@ -119,10 +119,16 @@ SESSION_BOUNDS = {
 
 
 def bound_session(conn) -> dict[str, str]:
-    """Apply :data:`SESSION_BOUNDS` where the session has none; return the session's values."""
+    """Apply :data:`SESSION_BOUNDS` where the session has none, and compress the full-page
+    images of its WAL where the role may (``common/wal_compression``); return the session's
+    timeouts."""
     with transaction(conn) as cur:
         cur.execute(sql("common/session_bounds"), SESSION_BOUNDS)
         values = dict(cur.fetchall())
+        cur.execute(sql("common/server_version_num"))
+        if cur.fetchone()[0] >= 150000:
+            cur.execute(sql("common/wal_compression"))
+            log.debug("wal_compression: %s", cur.fetchone()[0])
     log.debug("session bounds: %s", values)
     return values
 

@@ -21,6 +21,24 @@ SELECT b.name, CASE WHEN current_setting(b.name) IN ('0', '0ms')
                ('idle_in_transaction_session_timeout',
                 %(idle_in_transaction_session_timeout)s)) AS b(name, value)
 
+-- name: wal_compression
+-- For the whole session, where the job's role may set it (a superuser, or a role granted SET ON
+-- PARAMETER wal_compression, PostgreSQL 15+: include/sql/schema/roles.sql) and the server
+-- leaves it off: compress the full-page images of the session's writes in the WAL with the best
+-- method the server was built with: zstd, else lz4, else pglz (built in; more CPU for less).
+-- Returns the value in force. Only on PostgreSQL 15+ (the caller checks server_version_num).
+SELECT CASE WHEN current_setting('wal_compression') = 'off'
+             AND has_parameter_privilege('wal_compression', 'SET')
+             AND best.method IS NOT NULL
+            THEN set_config('wal_compression', best.method, false)
+            ELSE current_setting('wal_compression') END
+  FROM (SELECT (SELECT m FROM unnest(ARRAY['zstd', 'lz4', 'pglz']) WITH ORDINALITY AS a(m, o)
+                 WHERE m = ANY (enumvals) ORDER BY o LIMIT 1) AS method
+          FROM pg_settings WHERE name = 'wal_compression') AS best
+
+-- name: server_version_num
+SELECT current_setting('server_version_num')::int
+
 -- name: set_lock_timeout
 -- For the rest of the transaction: give up waiting for a row lock after this many milliseconds.
 SELECT set_config('lock_timeout', %(ms)s, true)

@@ -128,3 +128,9 @@ EXCEPTION WHEN insufficient_privilege THEN
                   'pacing cannot see replica lag or VACUUM progress (a superuser grants it)';
 END
 $pacing$;
+
+-- Optional, PostgreSQL 15+ (a superuser grants it): let the jobs' sessions compress the
+-- full-page images of the WAL they write. Where the role may, every session of a job sets
+-- wal_compression to zstd (else lz4, else pglz) when the server leaves it off (common/wal_compression);
+-- without the grant they write as the server is set. What it saves: bench/RESULTS.md.
+--   GRANT SET ON PARAMETER wal_compression TO pin_news_job, pin_catalog_job;
