@@ -65,31 +65,13 @@ def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minute
     A holder that still has it live (the setup task re-run when one range task of a run is
     cleared while its siblings run) keeps it as it is: its token, so the siblings are not fenced
     out, and its deadline, so the run's budget does not start again."""
-    return _take(
-        conn,
-        {
-            "lock_key": lock_key,
-            "holder": holder,
-            "ttl_minutes": ttl_minutes,
-            "max_run_minutes": max_run_minutes,
-            "keep_live": True,
-        },
-    )
+    return _take(conn, lock_key, holder, ttl_minutes, max_run_minutes)
 
 
 def rejoin(conn, lease: Lease) -> Lease:
     """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
     another run holds it. A new lease (new token, new time budget) is logged."""
-    got = _take(
-        conn,
-        {
-            "lock_key": lease.lock_key,
-            "holder": lease.holder,
-            "ttl_minutes": lease.ttl_minutes,
-            "max_run_minutes": lease.max_run_minutes,
-            "keep_live": True,
-        },
-    )
+    got = _take(conn, lease.lock_key, lease.holder, lease.ttl_minutes, lease.max_run_minutes)
     if isinstance(got, LeaseHeld):
         raise LeaseLost(
             f"lease {lease.lock_key!r} is held by {got.holder} (until "
@@ -108,7 +90,9 @@ def rejoin(conn, lease: Lease) -> Lease:
     return got
 
 
-def _take(conn, params: dict[str, Any]) -> Lease | LeaseHeld:
+def _take(conn, lock_key: str, holder: str, ttl_minutes, max_run_minutes) -> Lease | LeaseHeld:
+    params = {"lock_key": lock_key, "holder": holder, "ttl_minutes": ttl_minutes}
+    params["max_run_minutes"] = max_run_minutes
     with transaction(conn) as cur:
         cur.execute(sql("common/lease_acquire"), params)
         row = fetch_one_dict(cur)
@@ -116,14 +100,14 @@ def _take(conn, params: dict[str, Any]) -> Lease | LeaseHeld:
             cur.execute(sql("common/lease_holder"), params)
             other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}
             return LeaseHeld(holder=other["holder"], expires_at=str(other["expires_at"]))
+    at = {k: row[k].isoformat() for k in ("acquired_at", "run_deadline_at")}
     return Lease(
-        lock_key=params["lock_key"],
-        holder=params["holder"],
-        token=int(row["token"]),
-        acquired_at=row["acquired_at"].isoformat(),
-        run_deadline_at=row["run_deadline_at"].isoformat(),
-        ttl_minutes=params["ttl_minutes"],
-        max_run_minutes=params["max_run_minutes"],
+        lock_key,
+        holder,
+        int(row["token"]),
+        **at,
+        ttl_minutes=ttl_minutes,
+        max_run_minutes=max_run_minutes,
     )
 
 

@@ -4,11 +4,11 @@
 
 -- name: lease_acquire
 -- Take the lease when it is free, expired, or already this holder's. A new acquisition gets a
--- new fencing token; with keep_live (every caller: the setup task and a range's rejoin), a holder
--- whose lease is still live keeps it as it is, token and deadline included, so that siblings
--- working in parallel are not fenced out and the run's budget does not start again. When another holder has an unexpired lease nothing changes and
--- no row is returned. Minutes may be fractional (the params are numbers; make_interval(mins =>
--- ...) takes integers only).
+-- new fencing token; a holder whose lease is still live (the setup task re-run, a range's rejoin)
+-- keeps it as it is, token and deadline included, so that siblings working in parallel are not
+-- fenced out and the run's budget does not start again. When another holder has an unexpired
+-- lease nothing changes and no row is returned. Minutes may be fractional (the params are
+-- numbers; make_interval(mins => ...) takes integers only).
 INSERT INTO pin_nightly.job_lease AS l
        (lock_key, holder, token, ttl, acquired_at, expires_at, run_deadline_at)
 VALUES (%(lock_key)s, %(holder)s, nextval('pin_nightly.lease_token_seq'),
@@ -17,15 +17,15 @@ VALUES (%(lock_key)s, %(holder)s, nextval('pin_nightly.lease_token_seq'),
         clock_timestamp() + %(max_run_minutes)s::float8 * interval '1 minute')
 ON CONFLICT (lock_key) DO UPDATE
    SET holder = excluded.holder,
-       token = CASE WHEN %(keep_live)s AND l.expires_at > clock_timestamp() THEN l.token
+       token = CASE WHEN l.expires_at > clock_timestamp() THEN l.token
                     ELSE excluded.token END,
-       ttl = CASE WHEN %(keep_live)s AND l.expires_at > clock_timestamp() THEN l.ttl
+       ttl = CASE WHEN l.expires_at > clock_timestamp() THEN l.ttl
                   ELSE excluded.ttl END,
-       acquired_at = CASE WHEN %(keep_live)s AND l.expires_at > clock_timestamp()
+       acquired_at = CASE WHEN l.expires_at > clock_timestamp()
                           THEN l.acquired_at ELSE excluded.acquired_at END,
-       expires_at = CASE WHEN %(keep_live)s AND l.expires_at > clock_timestamp()
+       expires_at = CASE WHEN l.expires_at > clock_timestamp()
                          THEN l.expires_at ELSE excluded.expires_at END,
-       run_deadline_at = CASE WHEN %(keep_live)s AND l.expires_at > clock_timestamp()
+       run_deadline_at = CASE WHEN l.expires_at > clock_timestamp()
                               THEN l.run_deadline_at ELSE excluded.run_deadline_at END
  WHERE l.expires_at <= clock_timestamp() OR l.holder = excluded.holder
 RETURNING token, acquired_at, expires_at, run_deadline_at
