@@ -1,14 +1,7 @@
-"""Alerts: drift spikes and deadline (SLA) misses, logged at ERROR and sent to a channel.
-
-The channel is an Airflow connection (``PIN_ALERT_CONN_ID``, default ``pin_alerts``): an HTTP
-connection (its host a URL, or host, port and schema; login/password for basic auth) that
-receives a JSON POST (a chat webhook, an Alertmanager bridge...), sent with the http
-provider's ``HttpNotifier``. Without it the alert is only logged, with a line saying that no
-channel is set. No secret is in code: the URL and credentials live in the connection.
-
-Every message names the DAG, the run and its state, says in one line what was missed, links to
-the run in the Airflow UI (``[api] base_url`` + ``/dags/{dag_id}/runs/{run_id}``) and points to
-the runbook section that says what to do (``docs/runbook.md#<alert name>``).
+"""Alerts: drift spikes and deadline (SLA) misses, logged at ERROR and sent as a JSON POST to
+the Airflow HTTP connection ``PIN_ALERT_CONN_ID`` (default ``pin_alerts``) through the http
+provider's ``HttpNotifier``; without it they are only logged. Each names the run, links to it in
+the UI and to its runbook section: docs/operations.md, "Alert channel".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Deadline alerts (Airflow 3's successor of SLA callbacks) for both DAGs.
-
-Two per DAG: a run must finish within its duration budget of being queued
-(``DAGRUN_QUEUED_AT``), and a scheduled run must succeed within 26 h of its logical date
-(``DAGRUN_LOGICAL_DATE``: the data is stale). Intervals come from the environment of the
-scheduler / dag-processor, so that each deployment (and a test) sets its own without editing
-code:
-
-- ``PIN_<DAG_ID>_RUN_DEADLINE_SECONDS``  (news: 1800 = 20 min budget + 10; catalog: 2700)
-- ``PIN_<DAG_ID>_STALE_DEADLINE_SECONDS`` (both: 93600 = 26 h)
-
-(An Airflow Variable via ``VariableInterval`` was considered: a missing Variable makes the
-creation of every run fail, so a forgotten setting would stop the job instead of its alert.)
-
-The callbacks run in the triggerer, which imports them from this module (``plugins/`` is on its
-``sys.path``), and read the UI's base URL for the run link from the triggerer's Airflow
-configuration (``[api] base_url``). Deadlines fire after a failed run as well: the data is stale
-all the same.
+"""Deadline alerts (Airflow 3's successor of SLA callbacks) for both DAGs: a run must finish
+within its duration budget of being queued (``DAGRUN_QUEUED_AT``), and a scheduled run must
+succeed within 26 h of its logical date (``DAGRUN_LOGICAL_DATE``). Intervals come from the
+environment (``PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS``: an Airflow Variable that is missing
+would make the creation of every run fail). The callbacks run in the triggerer (``plugins/`` is
+on its ``sys.path``). What they send: docs/operations.md, "Deadline (SLA) alerts".
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
-"""Pacing on the database's health: before each batch, outside any transaction, the range reads
-the database's health signals and pauses while one is over its limit.
-
-Signals (``include/sql/health/``), each with its param (0 turns a number off):
-
-- ``replica_lag_seconds`` / ``replica_lag_mb``: the replay lag of the worst streaming replica
-  (``pg_stat_replication``), in seconds and in WAL not yet replayed; or, where the run names
-  replicas (``pace_replica_conn_ids``, Airflow connections), of the worst of those, read on each
-  replica (a cascading or delayed standby is then left out or counted as the deployment
-  chooses); a named replica that cannot be read is ``replica_unreachable``;
-- ``vacuum``: a VACUUM (autovacuum or manual) running on a table the batch writes
-  (``pg_stat_progress_vacuum``), when ``pace_on_vacuum``;
-- ``wal_mb_per_second``: the WAL the server writes per second while the range works, measured
-  by the range itself over its last seconds (PostgreSQL 16 does not count WAL per session: at
-  night the job's batches are most of it);
-- ``archive_backlog_segments``: completed WAL segments the archiver has not archived yet, when
-  ``archive_mode`` is on;
-- ``lock_waiters``: sessions that were waiting for a lock the job's backend held, sampled at the
-  end of the previous batch (between batches the job holds no lock).
-
-A pause is logged at WARNING (``pausing: <signal>=<value> over <limit>``), counted in
-``pin_nightly_pauses_total{dag_id, signal}`` and set on the next batch's span
-(``pin.batch.paused_ms``, ``pin.batch.pause_signals``). Pauses back off from
-:data:`FIRST_PAUSE_S` doubling to :data:`MAX_PAUSE_S` and never outlast the range's share of
-the run's budget: the budget is wall-clock time, so a pause spends it, and a range still paused
-when it runs out stops like any range at its budget (``interrupted``; the run ends
-``backlog_remaining``, never failed).
+"""Pacing on the database's health: before each batch, outside any transaction, a range reads
+the health signals (one row of :data:`LIMITS` each, read by ``include/sql/health/signals.sql``
+or measured by the range) and pauses while one is over its limit, backing off from
+:data:`FIRST_PAUSE_S` to :data:`MAX_PAUSE_S`, never past the range's share of the run's budget.
+Signals, params, logs and metrics: docs/operations.md, "Pacing on the database's health".
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Metrics under the specs' names, through Airflow's stats facade (StatsD or OpenTelemetry, as
-Airflow is configured).
-
-Every metric is declared once in :data:`METRICS` (its type, its tags and what it means); the
-emitters refuse a name, type or tag set that is not declared (a programming error, caught by
-the tests that run the jobs), and the monitoring files (statsd-exporter mapping, Prometheus
-rules, Grafana dashboard) are tested against this table. A metric that cannot be sent never
-fails a task.
+"""Metrics under the specs' names, through Airflow's stats facade (StatsD or OpenTelemetry).
+Every metric is declared once in :data:`METRICS`; the emitters refuse what is not declared, and
+the monitoring files are tested against this table. A metric never fails a task.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""OpenTelemetry spans of a run: a ``job_run`` span per run, a ``range`` span per range task
-under it, a ``batch`` span per batch transaction under each range.
-
-The spans go to the tracer provider that Airflow sets up when tracing is on (``[traces]
-otel_on``, exporter and endpoint from the standard ``OTEL_*`` environment), in the trace of the
-Airflow run. The setup task (``acquire_lease``) draws the ``job_run`` span's id and passes it on
-with the lease; the range tasks open their spans under it; the teardown (``release_lease``)
-sends the ``job_run`` span itself, from the lease's acquisition to the release, under the setup
-task's span (``worker.acquire_lease``). Its id is set through the id generator of Airflow's
-tracer provider (``override_ids``); under another provider the range spans keep Airflow's task
-span as parent. With tracing off the tracer is OpenTelemetry's no-op one: no attribute is
-computed and nothing is sent.
-
-Attributes: on ``job_run`` the spec's ``jobRunId`` / ``correlationId`` (the Airflow run id),
-``scope`` and ``batchSize``, and ``pin.*``; on the range span the job, run id, sweep, scope,
-range and card kind; on each batch span the spec's ``card_kind``, ``batch_size`` and
-``updated_count``, and ``pin.batch.*``: rows read, rows updated, rows written, rows skipped
-because locked, item errors, the cursor after the batch and any pause before it. An exception
-leaving a span is recorded on it and sets its status to error.
+"""OpenTelemetry spans of a run: ``job_run`` (drawn by the setup task, sent by the teardown),
+a ``range`` span per range task under it and a ``batch`` span per batch transaction under each
+range, sent to the tracer provider Airflow sets up when tracing is on (a no-op otherwise: no
+attribute is computed). Attributes and setup: docs/operations.md, "Traces".
 """
 
 from __future__ import annotations
