@@ -398,22 +398,26 @@ def _age(db, table: str, column: str, days: int, where: str = "TRUE") -> None:
     )
 
 
-def test_job_owned_history_is_pruned_past_its_retention_by_the_runs(news_db):
+def _nightly(d) -> dict:
+    """run_dag arguments of the scheduled run of night ``d``."""
+    return {"logical_date": night(d), "run_id": f"scheduled__{night(d).isoformat()}"}
+
+
+def test_job_owned_history_is_pruned_past_its_retention_by_the_nightly_runs(news_db):
     """Two nights' sweeps, drift records, run-log rows and a recorded item error, aged 100 and
-    10 days: the next run deletes what is older than its retention params (90 days by default,
-    5 for the drift records here) and keeps the newest completed sweep of each family whatever
-    its age."""
+    10 days: the next nightly run deletes what is older than its retention params (90 days)
+    and keeps the newest completed sweep of each family whatever its age."""
     db = news_db
     conf = {"scope": "FullSweep", "batch_size": 50}
     d = db.today() - timedelta(days=3)
     db.posts(4, drift_every=1)
-    old = assert_ok(run_dag(NEWS, conf, logical_date=night(d)))
+    old = assert_ok(run_dag(NEWS, conf, **_nightly(d)))
     fresh = lambda n: [  # noqa: E731 - drifted posts with comment activity just now
         db.post(count=3, visible=1, comments_at=datetime.now(UTC)) for _ in range(n)
     ]
     fresh(4)
     window = {"scope": "DailyWindow"}
-    recent = assert_ok(run_dag(NEWS, window, logical_date=night(d) + timedelta(1)))
+    recent = assert_ok(run_dag(NEWS, window, **_nightly(d + timedelta(1))))
     db.q(
         "INSERT INTO pin_nightly.item_error (job, run_id, sweep_id, item_id, message, "
         "recorded_at) VALUES ('news-comment-reconcile', 'x', 1, gen_random_uuid(), 'old', "
@@ -425,14 +429,12 @@ def test_job_owned_history_is_pruned_past_its_retention_by_the_runs(news_db):
     _age(db, "news_drift", "recorded_at", 100, f"run_id = '{old['run_id']}'")
     _age(db, "news_drift", "recorded_at", 10, f"run_id = '{recent['run_id']}'")
     fresh(2)
-    s = assert_ok(
-        run_dag(NEWS, {**window, "drift_retention_days": 5}, logical_date=night(d) + timedelta(2))
-    )
+    s = assert_ok(run_dag(NEWS, window, **_nightly(d + timedelta(2))))
     assert s["history_pruned"] == {
         "run_log_retention_days": 1,
         "sweep_retention_days": 0,  # the old FullSweep is its family's newest completed one
         "item_error_retention_days": 1,
-        "drift_retention_days": 8,
+        "drift_retention_days": 4,
     }
     assert db.q("SELECT run_id FROM pin_nightly.run_log ORDER BY finished_at") == [
         (recent["run_id"],),
@@ -443,7 +445,7 @@ def test_job_owned_history_is_pruned_past_its_retention_by_the_runs(news_db):
         ("DailyWindow",),
         ("DailyWindow",),
     ]
-    assert db.q("SELECT count(*) FROM pin_nightly.news_drift") == [(2,)]
+    assert db.q("SELECT count(*) FROM pin_nightly.news_drift") == [(6,)]
     assert db.q("SELECT count(*) FROM pin_nightly.item_error") == [(0,)]
     # a newer FullSweep completes: the old one is no longer needed and goes
     db.q(
@@ -451,7 +453,7 @@ def test_job_owned_history_is_pruned_past_its_retention_by_the_runs(news_db):
         "WHERE scope = 'DailyWindow' AND run_id = %s",
         recent["run_id"],
     )
-    s = assert_ok(run_dag(NEWS, conf, logical_date=night(d) + timedelta(3)))
+    s = assert_ok(run_dag(NEWS, conf, **_nightly(d + timedelta(3))))
     assert s["history_pruned"]["sweep_retention_days"] == 2
     assert db.q("SELECT scope, status FROM pin_nightly.sweep ORDER BY sweep_id") == [
         ("DailyWindow", "done"),
@@ -464,6 +466,47 @@ def test_job_owned_history_is_pruned_past_its_retention_by_the_runs(news_db):
         )
         == 0
     )
+
+
+def test_history_the_signals_or_the_rotation_need_is_kept_and_manual_runs_prune_nothing(
+    news_db, scheduler_dag
+):
+    """Past every retention: a manual run (a repair, a run with other params) deletes nothing;
+    a nightly run keeps the drift records no nightly summary has counted yet, and the newest
+    sweep of each family even when it was abandoned (the next sweep starts with what it left
+    unreached); a retention param below the runbook's 90 days creates no run."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    db = news_db
+    full = {"scope": "FullSweep", "batch_size": 50}
+    d = db.today() - timedelta(days=4)
+    db.posts(4, drift_every=1)
+    first = assert_ok(run_dag(NEWS, full, **_nightly(d)))
+    db.posts(3, drift_every=1)
+    second = assert_ok(run_dag(NEWS, full, **_nightly(d + timedelta(1))))
+    assert first["drift_corrected"] == 4 and second["drift_corrected"] == 3
+    for table, column in (("sweep", "completed_at"), ("run_log", "finished_at")):
+        _age(db, table, column, 100)
+    _age(db, "news_drift", "recorded_at", 100)
+    db.q("UPDATE pin_nightly.sweep SET status = 'abandoned' WHERE run_id = %s", second["run_id"])
+    # as if the newest nightly summary had counted through 150 days ago: nothing since is counted
+    _age(db, "run_signal", "drift_through", 150)
+    for params in ({"drift_retention_days": 1}, {"sweep_retention_days": 89}):
+        with pytest.raises(ParamValidationError):
+            scheduler_dag(NEWS).params.deep_merge(params).validate()
+    manual = assert_ok(run_dag(NEWS, {"scope": "DailyWindow"}, logical_date=night(d)))
+    assert manual["history_pruned"] == {}
+    assert db.one("SELECT count(*) FROM pin_nightly.run_log") == 3
+    nightly = assert_ok(run_dag(NEWS, {"scope": "DailyWindow"}, **_nightly(d + timedelta(2))))
+    assert nightly["history_pruned"]["drift_retention_days"] == 0  # not counted yet
+    assert nightly["history_pruned"]["run_log_retention_days"] == 2
+    assert db.one("SELECT count(*) FROM pin_nightly.news_drift") == 7
+    kept = db.q("SELECT run_id, status FROM pin_nightly.sweep WHERE scope = 'FullSweep'")
+    assert sorted(kept) == sorted([(first["run_id"], "done"), (second["run_id"], "abandoned")])
+    # its summary counted through now: the next nightly run deletes what it counted
+    nightly = assert_ok(run_dag(NEWS, {"scope": "DailyWindow"}, **_nightly(d + timedelta(3))))
+    assert nightly["history_pruned"]["drift_retention_days"] == 7
+    assert db.one("SELECT count(*) FROM pin_nightly.news_drift") == 0
 
 
 # --- no starvation when the budget keeps cutting a pass ----------------------------------------

@@ -131,15 +131,17 @@ HISTORY_DAYS = 90  # the runbook reads three months back
 
 
 def retention_param(what: str):
+    """A history retention param: at least :data:`HISTORY_DAYS` (what the runbook reads), and
+    applied by nightly runs only (see :func:`runs.prune_history`)."""
     from airflow.sdk import Param
 
     return Param(
         HISTORY_DAYS,
         type="integer",
-        minimum=1,
+        minimum=HISTORY_DAYS,
         maximum=MAX_RETENTION_DAYS,
-        description=f"Days that {what} are kept; older ones are deleted by the runs (an "
-        f"integer from 1 to {MAX_RETENTION_DAYS})",
+        description=f"Days that {what} are kept, from {HISTORY_DAYS} to {MAX_RETENTION_DAYS}; "
+        "only the nightly (scheduled) runs delete older ones",
     )
 
 

@@ -227,9 +227,11 @@ def resumed(totals: list[dict[str, Any]], lease: leases.Lease) -> bool:
 
 
 def prune_history(conn, run: Run) -> dict[str, int]:
-    """Delete the job-owned history past its retention params (not in a dry run); return the
-    rows deleted per param."""
-    if run.dry_run:
+    """Delete the job-owned history past its retention params; return the rows deleted per
+    param. Only a nightly run prunes (a manual run, a targeted repair or a dry run never
+    deletes history, whatever its params); the statements keep what the signals and the
+    rotation still need whatever the params say."""
+    if run.dry_run or not run.opts.get("nightly"):
         return {}
     pruned: dict[str, int] = {}
     with transaction(conn) as cur:

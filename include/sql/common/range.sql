@@ -126,13 +126,18 @@ DELETE FROM pin_nightly.run_log
 
 -- name: prune_sweeps
 -- Closed sweeps (with their ranges, ON DELETE CASCADE) whose work ended before the horizon;
--- the newest completed real sweep of each family stays whatever its age: it dates what the
--- job has covered (the DailyWindow cutoff, the last-completed metrics).
+-- whatever its age, the newest completed real sweep of each family stays (it dates what the
+-- job has covered: the DailyWindow cutoff, the last-completed metrics), and so does the newest
+-- real sweep of each family (a new sweep starts with what it left unreached).
 DELETE FROM pin_nightly.sweep s
  WHERE s.job = %(job)s AND s.status <> 'open'
    AND s.completed_at < clock_timestamp() - %(days)s * interval '1 day'
    AND s.sweep_id NOT IN (SELECT max(k.sweep_id) FROM pin_nightly.sweep k
                            WHERE k.job = %(job)s AND k.status = 'done' AND k.resumable
+                           GROUP BY k.family
+                          UNION ALL
+                          SELECT max(k.sweep_id) FROM pin_nightly.sweep k
+                           WHERE k.job = %(job)s AND k.resumable
                            GROUP BY k.family)
 
 -- name: prune_item_errors
