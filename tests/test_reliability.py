@@ -592,9 +592,10 @@ def test_job_sessions_are_bounded_unless_the_connection_bounds_them(news_db):
 
 
 def test_job_sessions_compress_wal_where_the_role_may(news_db):
-    """wal_compression (zstd, else lz4, else pglz) in every job session whose role may set it and whose
-    server leaves it off: a superuser, or a role granted SET ON PARAMETER (the option in
-    roles.sql); a role without the grant, or a server that sets it, keeps the server's value."""
+    """wal_compression (zstd, else lz4, else pglz) in every job session whose role may set it
+    and whose server leaves it off: a superuser, or a role granted SET ON PARAMETER (the option
+    in roles.sql); a role without the grant, or a server that sets it, keeps the server's
+    value."""
     from psycopg.conninfo import make_conninfo
 
     from pin_nightly.db import bound_session

@@ -307,8 +307,20 @@ def test_no_credentials_in_the_repository():
 SQL_DIRS = ("news", "catalog", "common")
 # Text placeholders substituted on the Python side, and what may be substituted: table names
 # from the constant catalog.KINDS, keyset source queries read from include/sql, the uuid v7
-# expression of include/sql/common/uuid7_now.sql.
+# expression of include/sql/common/uuid7_now.sql; and fragments ``{<directory>/<name>}``, SQL of
+# include/sql itself that pin_nightly.db.sql puts in place (it must exist).
 TEXT_PLACEHOLDERS = {"{cards}", "{source}", "{uuid7_now}"}
+FRAGMENT = re.compile(r"\{(\w+/\w+)\}")
+
+
+def _is_fragment(placeholder: str) -> bool:
+    from pin_nightly.db import sql
+
+    m = FRAGMENT.fullmatch(placeholder)
+    try:
+        return bool(m) and bool(sql(m[1]).strip())
+    except FileNotFoundError:
+        return False
 
 
 def sql_file_problems(text: str) -> list[str]:
@@ -319,7 +331,7 @@ def sql_file_problems(text: str) -> list[str]:
     for m in re.finditer(r"%", bare):
         problems.append(f"bare or positional %: {bare[m.start() : m.start() + 12]!r}")
     for m in re.finditer(r"\{[^{}]*\}", code):
-        if m[0] not in TEXT_PLACEHOLDERS and m[0] != "{}":
+        if m[0] not in TEXT_PLACEHOLDERS and m[0] != "{}" and not _is_fragment(m[0]):
             problems.append(f"text placeholder {m[0]!r}")
     for literal in code.split("'")[1::2]:  # the insides of the string literals
         if re.search(r"%\(\w+\)s", literal):
@@ -332,6 +344,8 @@ def test_the_sql_file_checks_find_value_formatting():
     assert not sql_file_problems("SELECT 1 WHERE s <> 'A' AND id = %(id)s AND t <> 'B'")
     assert sql_file_problems("SELECT 1 WHERE id = %s AND x LIKE '5%'")
     assert sql_file_problems("SELECT * FROM {table} WHERE id = %(id)s")
+    assert sql_file_problems("SELECT {common/no_such_fragment}")
+    assert not sql_file_problems("SELECT {common/share_deadline} <= now()")
     assert not sql_file_problems(
         "SELECT * FROM {cards} WHERE id = %(id)s AND rn %% 2 = 0 "
         "-- 100% of it\n AND ids = coalesce(x, '{}')"
