@@ -7,10 +7,11 @@ projects) snapshot the cumulative counter `popularity_views` into
 `popularity_score` = sum of the daily deltas of the last `window_days` days, each weighted by
 2^(-age / `half_life_days`), rounded to 4 places; a day's growth is measured from the card's
 previous snapshot up to `window_days + 2` days back. Snapshots older than
-`max(window_days, 30) + 2` days are pruned at the end, 10,000 a transaction, pacing like the
-batches (a manual run with a small window never prunes what the nightly run needs; a run at its
-deadline leaves the rest to the next). `as_of_date` is the run's logical date in UTC (manual
-runs: the day they were triggered); a date after the database's current date is refused.
+`max(window_days, 30) + 2` days are pruned at the end, a night's partition a transaction,
+pacing like the batches (a manual run with a small window never prunes what the nightly run
+needs; a run at its deadline leaves the rest to the next). `as_of_date` is the run's logical
+date in UTC (manual runs: the day they were triggered); a date after the database's current
+date is refused.
 
 **Safe to re-run?** Yes. Snapshots are upserted by (card, date) and the score is a pure
 function of the stored snapshots: re-running a date changes nothing (unless the counters moved
@@ -86,7 +87,10 @@ with DAG(
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
         instant = jobs.run_instant(logical_date, dag_run.run_after)
         nightly = jobs.is_nightly(dag_run.run_type)
+        spec = catalog.PARAMS
+        params, settings = jobs.deployment_settings(catalog.JOB, spec, params, dag_run.conf)
         opts = catalog.validate_options(params, instant, dag_run.run_id, nightly)
+        opts["settings"] = settings
         catalog.check_as_of_date(opts)
         jobs.check_backfill(
             catalog.JOB, opts["as_of_date"], jobs.is_backfill(dag_run.run_type), True

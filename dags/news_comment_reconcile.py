@@ -77,7 +77,9 @@ with DAG(
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
         instant = jobs.run_instant(logical_date, dag_run.run_after)
+        params, settings = jobs.deployment_settings(news.JOB, news.PARAMS, params, dag_run.conf)
         opts = news.validate_options(params, instant, jobs.is_nightly(dag_run.run_type))
+        opts["settings"] = settings
         backfill = jobs.is_backfill(dag_run.run_type)
         jobs.check_backfill(news.JOB, instant.date().isoformat(), backfill, False)
         return opts

@@ -61,15 +61,19 @@ def _database(name: str, env_var: str, schema_fn):
     return dsn, conn
 
 
+def _fresh(cls, name: str, env_var: str, schema_fn):
+    """A fixture's fresh database (see :func:`_database`) as a ``cls`` helper, closed after."""
+    dsn, conn = _database(name, env_var, schema_fn)
+    yield cls(dsn, conn)
+    conn.close()
+
+
 @pytest.fixture
 def news_db(pg_admin):
     """A fresh news database with the domain tables and the recommended indexes."""
     from tools.datagen import create_news_schema
 
-    dsn, conn = _database("pin_test_news", "AIRFLOW_CONN_NEWS_DB", create_news_schema)
-    db = helpers.NewsDB(dsn, conn)
-    yield db
-    conn.close()
+    yield from _fresh(helpers.NewsDB, "pin_test_news", "AIRFLOW_CONN_NEWS_DB", create_news_schema)
 
 
 @pytest.fixture
@@ -77,10 +81,8 @@ def catalog_db(pg_admin):
     """A fresh catalog database with the card tables."""
     from tools.datagen import create_catalog_schema
 
-    dsn, conn = _database("pin_test_catalog", "AIRFLOW_CONN_CATALOG_DB", create_catalog_schema)
-    db = helpers.CatalogDB(dsn, conn)
-    yield db
-    conn.close()
+    env_var = "AIRFLOW_CONN_CATALOG_DB"
+    yield from _fresh(helpers.CatalogDB, "pin_test_catalog", env_var, create_catalog_schema)
 
 
 @pytest.fixture(scope="session")

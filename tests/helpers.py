@@ -286,16 +286,47 @@ class CatalogDB(NewsDB):
             cid,
         )
 
-    def seed_snapshot(self, cid: str, run_date, views: int, kind: str = "PropertyObject"):
+    def partition(self, run_date, through=None) -> None:
+        """The snapshot table's partitions of ``run_date`` .. ``through`` (as the job creates
+        them ahead of its nights)."""
         from tools.devenv import run_sql_file
 
         if not self.one("SELECT to_regclass('catalog.popularity_daily_views') IS NOT NULL"):
             run_sql_file(self.dsn, "schema/catalog_popularity.sql")
         self.conn.execute(
+            "SELECT catalog.popularity_ensure_partitions(%s::date, %s::date)",
+            (run_date, through or run_date),
+        )
+
+    def seed_snapshot(self, cid: str, run_date, views: int, kind: str = "PropertyObject"):
+        self.partition(run_date)
+        self.conn.execute(
             "INSERT INTO catalog.popularity_daily_views (card_kind, card_id, run_date, "
             "cumulative_views) VALUES (%s, %s, %s, %s)",
             (kind, cid, run_date, views),
         )
+
+
+def news_full_sweep_range(conn, lease, run_id: str, batch_size: int, limits=None):
+    """A FullSweep of the news job opened for ``run_id`` as one range over every post, and the
+    batch worker that works it (what ``runs.plan`` and a range task build), with ``limits``
+    over the params' defaults."""
+    from pin_nightly import news, sweeps
+    from pin_nightly.db import sql
+
+    spec = sweeps.SweepSpec(job=news.JOB.code, family="FullSweep")
+    source = sql("news/full_source").strip()
+    sweep = sweeps.open_sweep(
+        conn,
+        spec,
+        lease,
+        run_id,
+        lambda cur, s: sweeps.boundaries(cur, source, {"sweep_id": s["sweep_id"]}, batch_size, 1),
+    )
+    [rng] = sweeps.range_descriptors(sweep, "FullSweep")
+    opts = {**news.DEFAULTS, **(limits or {}), "batch_size": batch_size}
+    opts["effective_scope"] = "FullSweep"
+    return rng, news.make_batch(opts, sweep["sweep_id"], run_id, candidate_mode=False)
 
 
 class SlowVacuum:
@@ -326,8 +357,11 @@ class SlowVacuum:
         with psycopg.connect(self.dsn, autocommit=True) as c:
             wait_for(
                 lambda: c.execute(
-                    "SELECT 1 FROM pg_stat_progress_vacuum WHERE relid = %s::regclass",
-                    (self.table,),
+                    # a partitioned table's VACUUM runs on its partitions one by one (the
+                    # tree of a plain table is empty)
+                    "SELECT 1 FROM pg_stat_progress_vacuum WHERE relid = %s::regclass OR relid "
+                    "IN (SELECT relid FROM pg_partition_tree(%s::regclass))",
+                    (self.table, self.table),
                 ).fetchone(),
                 timeout=10,
                 what=f"the VACUUM of {self.table} in pg_stat_progress_vacuum",
@@ -384,10 +418,11 @@ def post_offsets(db: NewsDB) -> dict[str, int]:
     )
 
 
-def reference_popularity_score(snaps: dict, d, w: int, h: float):
+def reference_popularity_score(snaps: dict, d, w: int, h: float, inherited=None):
     """score(D) = round(sum over snapshots k in (D-W, D] of max(0, S_k - S_prev) * 2^(-(D-k)/H), 4),
     S_prev the newest earlier snapshot with run_date >= D - (W + 2) (none: a baseline, delta 0);
-    computed in Python with 40-digit decimals, independently of the job's SQL."""
+    computed in Python with 40-digit decimals, independently of the job's SQL. ``inherited``:
+    (score, night E) kept through the first nights, adding score * 2^(-(D-E)/H) while D - E < W."""
     from decimal import Decimal, localcontext
 
     with localcontext() as ctx:
@@ -398,6 +433,8 @@ def reference_popularity_score(snaps: dict, d, w: int, h: float):
             age = (d - k).days
             if age < w:
                 total += Decimal(max(0, v - prev)) * Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
+        if inherited and 0 <= (age := (d - inherited[1]).days) < w:
+            total += Decimal(inherited[0]) * Decimal(2) ** (Decimal(-age) / Decimal(str(h)))
         return total.quantize(Decimal("0.0001"))
 
 

@@ -76,6 +76,44 @@ def test_first_snapshot_is_a_baseline(catalog_db):
     assert catalog_db.snapshots(big) == [(D, 5_000_000)]
 
 
+def test_first_nights_keep_the_platform_scores_until_the_window_is_covered(catalog_db):
+    """A platform switching to the job has scores and no snapshot history: the first night keeps
+    every score (its window has no history yet), the next nights add the decayed inherited score
+    to what the history shows, and once the history covers the window the score is the formula
+    alone; the inherited scores are pruned with the snapshots' horizon. A dry run inherits
+    nothing."""
+    inherited = catalog_db.card(views=1000, score=42.5)
+    project = catalog_db.card(views=50, kind="Project", score=7)
+    fresh = catalog_db.card(views=10)  # score 0: nothing to keep
+    assert_ok(run({"dry_run": True}))
+    assert catalog_db.one("SELECT count(*) FROM pin_nightly.popularity_inherited") == 0
+    s = assert_ok(run())
+    assert s["snapshots_written"] == 3 and s["property_object_cards_updated"] == 0
+    assert catalog_db.score(inherited) == Decimal("42.5000")
+    assert catalog_db.score(project, "Project") == Decimal("7.0000")
+    assert catalog_db.score(fresh) == 0
+    d1 = D + timedelta(days=1)
+    catalog_db.q(
+        "UPDATE catalog.property_object_cards SET popularity_views = 1100 WHERE id = %s", inherited
+    )
+    assert_ok(run(as_of=d1))
+    assert_ok(run(as_of=d1))  # a re-run of the date keeps what the first night inherited
+    snaps = dict(catalog_db.snapshots(inherited))
+    assert catalog_db.score(inherited) == reference_score(snaps, d1, 30, 7, (42.5, D))
+    assert catalog_db.score(inherited) == Decimal("138.4933")  # 100 + 42.5 * 2^(-1/7)
+    assert catalog_db.score(project, "Project") == reference_score(
+        dict(catalog_db.snapshots(project)), d1, 30, 7, (7, D)
+    )
+    covered = D + timedelta(days=30)  # D's snapshots now cover the window: the formula alone
+    assert_ok(run(as_of=covered))
+    snaps = dict(catalog_db.snapshots(inherited))
+    assert catalog_db.score(inherited) == reference_score(snaps, covered, 30, 7)
+    # the cards with a score to keep (not the one at 0)
+    assert catalog_db.one("SELECT count(*) FROM pin_nightly.popularity_inherited") == 2
+    assert_ok(run(as_of=covered + timedelta(days=3)))  # past the horizon: pruned
+    assert catalog_db.one("SELECT count(*) FROM pin_nightly.popularity_inherited") == 0
+
+
 def test_rerun_of_a_date_is_idempotent(catalog_db):
     cid = catalog_db.card(views=100)
     assert_ok(run(as_of=D - timedelta(days=1)))
@@ -199,9 +237,9 @@ def _old_snapshots(catalog_db) -> int:
 def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
     catalog_db, monkeypatch, capfd, caplog
 ):
-    """Retention deletes a few snapshots a transaction and paces before each batch as a range
-    does: while a VACUUM runs on the snapshot table it deletes nothing; once the VACUUM is
-    cancelled it deletes every snapshot past the horizon, and none it keeps."""
+    """Retention drops a night's partition a transaction and paces before each as a range
+    does: while a VACUUM runs on the snapshot table it drops nothing; once the VACUUM is
+    cancelled it drops every night past the horizon, and none it keeps."""
     from pin_nightly import catalog, runs
 
     cards = [catalog_db.card(views=100) for _ in range(3)]
@@ -210,7 +248,6 @@ def test_retention_deletes_in_short_batches_and_waits_while_a_vacuum_runs(
             catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
     old = _old_snapshots(catalog_db)
     assert old == 3 * 8
-    monkeypatch.setattr(catalog, "RETENTION_BATCH", 5)
     vacuum = _slow_vacuum_of_the_snapshots(catalog_db)
     opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-vacuum")
     seen: dict = {}
@@ -257,7 +294,7 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
     text = capfd.readouterr().out + caplog.text
     assert "retention: budget spent while paused (vacuum=running" in text
     oldest = D - timedelta(days=40)
-    assert f"deletes the oldest night past the horizon ({oldest}) and leaves the rest" in text
+    assert f"drops the oldest night past the horizon ({oldest}) and leaves the rest" in text
     assert _old_snapshots(catalog_db) == 7 and oldest not in dict(catalog_db.snapshots(cid))
     opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-next")
     try:
@@ -267,13 +304,14 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
     assert _old_snapshots(catalog_db) == 0
 
 
-def test_retention_failing_between_batches_keeps_what_it_deleted_and_its_retry_prunes_the_rest(
+def test_retention_failing_between_drops_keeps_what_it_dropped_and_its_retry_prunes_the_rest(
     catalog_db, monkeypatch
 ):
-    """The connection lost after retention's second batch committed: the task fails, the two
-    batches stay deleted and nothing else is; run again (the task cleared), retention prunes
-    exactly the rest."""
+    """The connection lost after retention dropped its second partition (a night of three
+    snapshots each): the task fails, the two nights stay dropped and nothing else is; run
+    again (the task cleared), retention prunes exactly the rest."""
     from pin_nightly import catalog, runs
+    from pin_nightly import lease as leases
     from pin_nightly.db import DatabaseUnavailable
 
     cards = [catalog_db.card(views=100) for _ in range(3)]
@@ -281,9 +319,8 @@ def test_retention_failing_between_batches_keeps_what_it_deleted_and_its_retry_p
         for age in range(1, 41):
             catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
     kept = catalog_db.one("SELECT count(*) FROM catalog.popularity_daily_views") - 24
-    monkeypatch.setattr(catalog, "RETENTION_BATCH", 5)
     fences = [0]
-    real_fence = catalog.leases.fence
+    real_fence = leases.fence
 
     def fence(cur, lease, *args):
         fences[0] += 1
@@ -291,14 +328,14 @@ def test_retention_failing_between_batches_keeps_what_it_deleted_and_its_retry_p
             raise DatabaseUnavailable("connection lost")
         return real_fence(cur, lease, *args)
 
-    monkeypatch.setattr(catalog.leases, "fence", fence)
+    monkeypatch.setattr(leases, "fence", fence)
     opts, lease = _retention_lease({}, "retention-fails")
     try:
         with pytest.raises(DatabaseUnavailable):
             catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease))
-        assert _old_snapshots(catalog_db) == 24 - 2 * 5
-        monkeypatch.setattr(catalog.leases, "fence", real_fence)
-        assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 24 - 2 * 5
+        assert _old_snapshots(catalog_db) == 24 - 2 * 3
+        monkeypatch.setattr(leases, "fence", real_fence)
+        assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 24 - 2 * 3
     finally:
         runs.release_lease(runs.Run.of(catalog.JOB, {}, "", lease))
     assert _old_snapshots(catalog_db) == 0
@@ -393,6 +430,7 @@ def _cards_and_sweep(catalog_db, n: int, batch_size: int):
     ids = [catalog_db.card(views=i) for i in range(n)]
     for i, cid in enumerate(ids):
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), max(0, i - 3))
+    catalog_db.partition(D)  # as the planning of tonight's passes creates it
     opts = {
         **catalog.DEFAULTS,
         "as_of_date": D.isoformat(),
@@ -746,7 +784,8 @@ def test_a_card_held_through_the_run_keeps_its_earlier_snapshot_of_the_date(cata
     after it: statement 2 upserts the card's snapshot, cannot lock the card, and puts the
     snapshot the earlier run wrote back (value and created_at) before the commit; the range's
     retry gives up after its lock_timeout. The card is reported skipped, its snapshot and score
-    stay the earlier run's pair; once the transaction commits, the next run takes it."""
+    stay the earlier run's pair, and it is remembered (the summary's and the gauge's
+    cards_unscored); once the transaction commits, the next run takes it and forgets it."""
     held, other = catalog_db.card(views=80, score=20), catalog_db.card(views=90, score=0)
     for cid in (held, other):
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), 30)
@@ -762,6 +801,12 @@ def test_a_card_held_through_the_run_keeps_its_earlier_snapshot_of_the_date(cata
         assert catalog_db.snapshots(other)[-1] == (D, 90) and catalog_db.score(other) == 60
         assert s["property_object_cards_skipped_locked"] == 1
         assert s["property_object_cards_processed"] == 1 and s["snapshots_written"] == 1
+        assert s["cards_unscored"] == 1
+        remembered = (
+            "SELECT card_kind, card_id::text, as_of FROM pin_nightly.popularity_skipped_card"
+        )
+        assert catalog_db.q(remembered) == [("PropertyObject", held, D)]
     s = assert_ok(run({"batch_size": 20}))
     assert catalog_db.snapshots(held)[-1] == (D, 81) and catalog_db.score(held) == 51
     assert s["property_object_cards_skipped_locked"] == 0
+    assert s["cards_unscored"] == 0 and catalog_db.q(remembered) == []

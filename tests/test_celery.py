@@ -362,6 +362,7 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
     db.q("TRUNCATE catalog.property_object_cards, catalog.project_cards")
     devenv.run_sql_file(db.dsn, "schema/catalog_popularity.sql")  # the job's table, if absent
     db.q("TRUNCATE catalog.popularity_daily_views")
+    db.partition(today - timedelta(days=4), today - timedelta(days=1))  # the nights seeded
     history: dict[str, dict] = {}
     cards, snaps = {"PropertyObject": [], "Project": []}, []
     for i in range(1240):

@@ -146,6 +146,24 @@ def test_every_failed_task_counts_and_only_finished_work_is_a_success(news_db, c
         assert f"airflow.{name}:" not in text
 
 
+CONFIG_ERRORS = textwrap.dedent("""
+    from tools.rundag import run_dag
+
+    for dag_id in ("news_comment_reconcile", "catalog_popularity_recompute"):
+        r = run_dag(dag_id, {{"lock_ttl_minutes": 10, "max_run_duration_minutes": 20}})
+        assert r["tasks"]["validate_options"] == "failed", r
+""")
+
+
+def test_a_mistyped_manual_conf_is_a_config_error_not_an_error(news_db, catalog_db):
+    """A manual run refused for its conf counts in config_errors_total (no alert reads it),
+    not in errors_total, which pages."""
+    packets = statsd_packets(CONFIG_ERRORS)
+    for dag_id in ("news_comment_reconcile", "catalog_popularity_recompute"):
+        assert f"airflow.{dag_id}_config_errors_total:1|c" in packets, packets[:50]
+        assert not [p for p in packets if p.startswith(f"airflow.{dag_id}_errors_total:")]
+
+
 def test_with_tracing_off_a_span_costs_no_attribute_work():
     """Airflow's tracing is off in this process: the job's spans are OpenTelemetry's no-op
     ones and the attributes are never computed (the stack test covers tracing on)."""

@@ -36,6 +36,7 @@ from tests.helpers import (
     gate_waiter,
     install_gate,
     new_id,
+    news_full_sweep_range,
     night,
     post_offsets,
     reference_popularity_score,
@@ -200,6 +201,7 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
         history[cid] = {D - timedelta(days=2): v2, D - timedelta(days=1): v1}
         rows[kind].append((cid, "Published", now, 0, datetime(2026, 1, 1, tzinfo=UTC)))
         snaps += [(kind, cid, d, v) for d, v in history[cid].items()]
+    catalog_db.partition(D - timedelta(days=2), D - timedelta(days=1))
     with psycopg.connect(catalog_db.dsn) as conn:
         for kind, table in CARD_TABLES.items():
             copy_rows(
@@ -591,7 +593,7 @@ def test_job_sessions_are_bounded_unless_the_connection_bounds_them(news_db):
         assert bound_session(conn) == {**SESSION_BOUNDS, "lock_timeout": "2s"}
 
 
-def test_job_sessions_compress_wal_where_the_role_may(news_db):
+def test_job_sessions_compress_wal_where_the_role_may(news_db, monkeypatch):
     """wal_compression (zstd, else lz4, else pglz) in every job session whose role may set it
     and whose server leaves it off: a superuser, or a role granted SET ON PARAMETER (the option
     in roles.sql); a role without the grant, or a server that sets it, keeps the server's
@@ -617,31 +619,18 @@ def test_job_sessions_compress_wal_where_the_role_may(news_db):
         with psycopg.connect(as_login) as conn:
             bound_session(conn)
             assert conn.execute("SHOW wal_compression").fetchone() == (best,)
+        # a deployment's choice: another order, or none
+        for setting, expected in (("pglz", "pglz"), ("off", "off")):
+            monkeypatch.setenv("PIN_WAL_COMPRESSION", setting)
+            with psycopg.connect(as_login) as conn:
+                bound_session(conn)
+                assert conn.execute("SHOW wal_compression").fetchone() == (expected,)
     finally:
         news_db.q(f'REVOKE ALL ON PARAMETER wal_compression FROM "{login}"')
         news_db.q(f'DROP ROLE "{login}"')
 
 
 # --- 3c. the lease taken over while a slow worker still runs (fencing) --------------------------
-
-
-def _sweep(conn, lease, run_id: str, batch_size: int):
-    from pin_nightly import news, sweeps
-    from pin_nightly.db import sql
-
-    spec = sweeps.SweepSpec(job=news.JOB.code, family="FullSweep")
-    sweep = sweeps.open_sweep(
-        conn,
-        spec,
-        lease,
-        run_id,
-        lambda cur, s: sweeps.boundaries(
-            cur, sql("news/full_source").strip(), {"sweep_id": s["sweep_id"]}, batch_size, 1
-        ),
-    )
-    [rng] = sweeps.range_descriptors(sweep, "FullSweep")
-    opts = {**news.DEFAULTS, "batch_size": batch_size, "effective_scope": "FullSweep"}
-    return rng, news.make_batch(opts, sweep["sweep_id"], run_id, candidate_mode=False)
 
 
 def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db):
@@ -665,7 +654,7 @@ def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db
     with connection("news_db") as conn:
         jobs.preflight(conn, news.JOB)
         lease = leases.acquire(conn, NEWS_KEY, "slow-worker/run-1", 10, 5)
-        rng, batch = _sweep(conn, lease, "slow-run-1", 10)
+        rng, batch = news_full_sweep_range(conn, lease, "slow-run-1", 10)
         with (
             after_each_batch(take_over),
             pytest.raises(LeaseLost, match="expired or was taken over"),
@@ -702,7 +691,7 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
                 jobs.preflight(conn, news.JOB)
                 lease = leases.acquire(conn, NEWS_KEY, "slow-worker/run-1", 0.03, 0.02)
                 outcome["lease"] = lease
-                rng, batch = _sweep(conn, lease, "slow-run-1", 10)
+                rng, batch = news_full_sweep_range(conn, lease, "slow-run-1", 10)
                 outcome["result"] = ranges.run_range(conn, rng, lease, 10, batch)
         except BaseException as exc:  # noqa: BLE001
             outcome["error"] = exc
@@ -937,6 +926,64 @@ def test_inconsistent_or_out_of_range_options_fail_before_any_write(
     assert catalog_db.snapshots(card) == [(D - timedelta(days=1), 4)]
     assert news_db.one("SELECT to_regnamespace('pin_nightly') IS NULL")
     assert catalog_db.one("SELECT to_regclass('pin_nightly.job_lease') IS NULL")
+
+
+def test_deployment_settings_are_the_defaults_a_run_uses_and_its_conf_wins(news_db, monkeypatch):
+    """A deployment sets its defaults without code (the Variable pin_nightly_<dag_id>, here as
+    AIRFLOW_VAR_*), read when a run starts: a scheduled run uses them and says so in the run
+    log; a value the run's conf gives wins over the setting."""
+    posts = [news_db.post(count=9, visible=1) for _ in range(5)]
+    settings = {"batch_size": 2, "pace_max_lock_waiters": 7}
+    monkeypatch.setenv("AIRFLOW_VAR_PIN_NIGHTLY_NEWS_COMMENT_RECONCILE", json.dumps(settings))
+    s = assert_ok(run_dag(NEWS, FULL))
+    assert s["batches_processed"] == 3 and s["settings"] == settings  # 5 posts, 2 a batch
+    assert [news_db.count(p) for p in posts] == [1] * 5
+    logged = news_db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", s["run_id"])
+    assert logged["settings"] == settings
+    s = assert_ok(run_dag(NEWS, {**FULL, "batch_size": 3}))
+    assert s["batches_processed"] == 2 and s["settings"] == {"pace_max_lock_waiters": 7}
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ('{"batch_size": 0}', "batch_size: "),
+        ('{"post_ids": ["0190a000-0000-7000-8000-000000000001"]}', "'post_ids' is not a setting"),
+        ('{"no_such_param": 1}', "'no_such_param' is not a setting"),
+        ("[1, 2]", "must be a JSON object"),
+        ("{batch_size: 2}", "is not JSON"),
+    ],
+    ids=["out-of-range", "per-run-param", "unknown", "not-an-object", "not-json"],
+)
+def test_bad_deployment_settings_fail_before_any_write(
+    news_db, monkeypatch, capfd, caplog, value, message
+):
+    post = news_db.post(count=5, visible=3)
+    monkeypatch.setenv("AIRFLOW_VAR_PIN_NIGHTLY_NEWS_COMMENT_RECONCILE", value)
+    capfd.readouterr()
+    r = run_dag(NEWS, FULL)
+    text = _logs(capfd, caplog)
+    assert r["tasks"]["validate_options"] == "failed", r
+    assert "Variable pin_nightly_news_comment_reconcile" in text and message in text
+    assert news_db.count(post) == 5
+    assert news_db.one("SELECT to_regnamespace('pin_nightly') IS NULL")
+
+
+def test_a_server_that_never_answers_times_out_in_seconds(monkeypatch):
+    """A job connection (a named replica, the job's database) to a server that takes the TCP
+    connection and never answers gives up after db.CONNECT_TIMEOUT_S, not the TCP timeout."""
+    from pin_nightly.db import CONNECT_TIMEOUT_S, DatabaseUnavailable, connect
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never speaks
+    port = silent.getsockname()[1]
+    dsn = f"host=127.0.0.1 port={port} user=postgres dbname=x sslmode=disable"
+    monkeypatch.setenv("AIRFLOW_CONN_SILENT_DB", airflow_connection(dsn))
+    try:
+        with pytest.raises(DatabaseUnavailable, match="timeout expired"):
+            connect("silent_db")
+    finally:
+        silent.close()
+    assert CONNECT_TIMEOUT_S <= 10
 
 
 def test_fractional_minutes_are_accepted(news_db, catalog_db):

@@ -207,6 +207,8 @@ def test_catalog_role_holds_exactly_the_minimal_grants(catalog_job):
         "catalog.project_cards.popularity_score": "UPDATE",
         "catalog.project_cards.updated_at": "UPDATE",
         "catalog.popularity_daily_views": "DELETE,INSERT,SELECT,UPDATE",
+        "pin_nightly.popularity_inherited": "DELETE,INSERT,SELECT",
+        "pin_nightly.popularity_skipped_card": "DELETE,INSERT,SELECT,UPDATE",
     }
     assert db.q("SELECT rolcanlogin FROM pg_roles WHERE rolname = 'pin_catalog_job'") == [(False,)]
 
@@ -248,7 +250,7 @@ def test_missing_job_tables_are_reported_not_created_by_the_job_role(news_job, c
     text = out.out + out.err + caplog.text
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
     assert (
-        "job-owned tables are missing or out of date (pin_nightly.run_signal does not "
+        "job-owned tables are missing or out of date (pin_nightly.popularity_skipped_card does not "
         "exist) and this role may not change them: a DBA applies "
         "include/sql/schema/pin_nightly.sql"
     ) in text

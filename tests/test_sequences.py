@@ -328,8 +328,13 @@ def test_a_run_with_another_formula_never_adopts_the_nightly_pass_of_its_date(ca
     half = [db.score(c) for c in cards[:4]]
     assert all(s > 0 for s in half)
     manual = {"batch_size": 2, "max_ranges": 1, "window_days": 10}
-    s = assert_ok(run_dag(CATALOG, manual, logical_date=night(d)))
+    r = run_dag(CATALOG, manual, logical_date=night(d))
+    s = assert_ok(r)
     assert s["status"] == "success", s
+    # not the date's scoring: no scored date, no fresh-scores event, no last-success time
+    assert s["scores_as_of_date"] is None and r["tasks"]["publish"] == "skipped", r
+    [(signals,)] = db.q("SELECT signals FROM pin_nightly.run_signal WHERE run_id = %s", r["run_id"])
+    assert not [g for g in signals["gauges"] if g[0].endswith("_last_success_timestamp_seconds")]
     for c in cards:
         assert db.score(c) == reference_popularity_score(dict(db.snapshots(c)), d, 10, H), c
     scopes = db.q("SELECT scope, status FROM pin_nightly.sweep ORDER BY sweep_id")
@@ -368,24 +373,60 @@ def test_a_post_that_cannot_be_written_is_isolated_and_every_night_stays_green(n
     assert s["item_errors"] == 0 and s["drift_corrected"] == 1 and db.drifted_posts() == 0
 
 
-def test_a_card_that_cannot_be_written_is_isolated_and_the_run_stays_green(catalog_db):
+def test_a_card_that_cannot_be_written_is_isolated_and_the_run_stays_green(
+    catalog_db, capfd, caplog
+):
+    """The card is recorded and logged with its kind and id (the spec's CardKind, CardId)."""
     db = catalog_db
     d = db.today() - timedelta(days=1)
     cards = [db.card(views=20 + i) for i in range(6)]
     for c in cards:
         db.seed_snapshot(c, d - timedelta(days=1), 10)
     db.fail_updates_of(cards[3], "catalog.property_object_cards", errcode="check_violation")
+    capfd.readouterr()
     s = assert_ok(run_dag(CATALOG, {"batch_size": 4}, logical_date=night(d)))
+    out = capfd.readouterr()
     assert s["status"] == "success" and s["item_errors"] == 1, s
-    assert db.q("SELECT item_id::text, sqlstate FROM pin_nightly.item_error") == [
-        (cards[3], "23514")
+    assert db.q("SELECT item_kind, item_id::text, sqlstate FROM pin_nightly.item_error") == [
+        ("PropertyObject", cards[3], "23514")
     ]
+    failed = f"item failed: card_kind=PropertyObject card_id={cards[3]} sqlstate=23514"
+    assert failed in out.out + out.err + caplog.text
     for c in cards:
         snaps = dict(db.snapshots(c))
         if c == cards[3]:  # nothing of it written: no snapshot of d, its score untouched
             assert d not in snaps and db.score(c) == 0
         else:
             assert db.score(c) == reference_popularity_score(snaps, d, W, H) > 0
+
+
+def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(catalog_db):
+    """A CHECK-like trigger rejects every score update: each card is isolated and recorded, but
+    a run in which most rows failed is not a success: its summary fails after the run is logged,
+    no asset event, and the last-success time stays where it was."""
+    db = catalog_db
+    d = db.today() - timedelta(days=1)
+    cards = [db.card(views=20 + i) for i in range(12)]
+    for c in cards:
+        db.seed_snapshot(c, d - timedelta(days=1), 10)
+    db.q(
+        "CREATE FUNCTION public.reject_all() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "RAISE EXCEPTION 'scores are frozen' USING ERRCODE = 'check_violation'; END $$"
+    )
+    db.q(
+        "CREATE TRIGGER reject_all BEFORE UPDATE ON catalog.property_object_cards "
+        "FOR EACH ROW EXECUTE FUNCTION public.reject_all()"
+    )
+    r = run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d))
+    assert r["state"] == "failed" and r["tasks"]["summarize"] == "failed", r
+    assert r["tasks"]["publish"] == "upstream_failed"
+    [(status, result)] = db.q("SELECT status, result FROM pin_nightly.run_log")
+    assert status == "failed: 12 of 12 rows could not be written", status
+    assert result["item_errors"] == 12
+    assert db.one("SELECT count(*) FROM pin_nightly.item_error") == 12
+    [(signals,)] = db.q("SELECT signals FROM pin_nightly.run_signal")
+    assert not [g for g in signals["gauges"] if g[0].endswith("_last_success_timestamp_seconds")]
+    assert all(db.score(c) == 0 for c in cards)
 
 
 # --- job-owned tables stay bounded ------------------------------------------------------------

@@ -25,6 +25,8 @@ POST = "0190a000-0000-7000-8000-000000000001"
         # Sunday 23:30 UTC is already Monday in Moscow
         ({}, datetime(2026, 11, 29, 23, 30, tzinfo=UTC), "DailyWindow"),
         ({"full_sweep_cron": "0 3 * * 1"}, MONDAY_NIGHT, "FullSweep"),
+        # a manual auto run on Sunday afternoon (15:00 in Moscow) is not the night's FullSweep
+        ({}, datetime(2026, 11, 29, 12, 0, tzinfo=UTC), "DailyWindow"),
         ({"scope": "FullSweep"}, MONDAY_NIGHT, "FullSweep"),
         ({"scope": "DailyWindow"}, SUNDAY_NIGHT, "DailyWindow"),
         ({"post_ids": [POST.upper().replace("-", "")]}, SUNDAY_NIGHT, "Targeted"),
@@ -33,6 +35,10 @@ POST = "0190a000-0000-7000-8000-000000000001"
 def test_news_scope_choice(params, instant, scope):
     opts = news.validate_options(params, instant)
     assert opts["effective_scope"] == scope
+    if instant.hour == 12 and not params:  # a scheduled run of that day keeps the day's scope
+        assert news.validate_options(params, instant, nightly=True)["effective_scope"] == (
+            "FullSweep"
+        )
     if scope == "Targeted":
         assert opts["post_ids"] == [POST]  # normalized
 

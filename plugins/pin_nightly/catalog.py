@@ -19,9 +19,7 @@ from typing import Any
 import pendulum
 from airflow.sdk import Asset, Param
 
-from pin_nightly import health as healths
-from pin_nightly import jobs, metrics, ranges, runs, sweeps
-from pin_nightly import lease as leases
+from pin_nightly import jobs, metrics, partitions, ranges, runs, sweeps
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly.jobs import parse_uuids
 from pin_nightly.runs import LOCK_HELD
@@ -30,6 +28,8 @@ log = logging.getLogger(__name__)
 
 METRIC = "catalog_popularity_recompute"
 MAX_SCORE = 99999999.9999  # numeric(12,4)
+# apply.sql's arrays: the values compute.sql gave each card
+APPLIED = (("views", "views"), ("scores", "score"), ("inherit", "inherit"))
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ class Popularity(jobs.Job):
             "scores_as_of_date": None,
             "score_staleness_hours": None,
             "targeted": bool(run.opts["card_ids"]),
+            "formula_variant": formula_variant(run.opts),  # "": the nightly's
+            "cards_unscored": 0,
             "resumed": False,
         }
 
@@ -94,6 +96,12 @@ class Popularity(jobs.Job):
     def emit_state(self, conn) -> None:
         _emit_state(conn)
 
+    def rows_tried(self, result: dict[str, Any]) -> int:
+        return sum(result[f"{k.result}_processed"] for k in CARD_KINDS)  # failures included
+
+    def prepare(self, conn) -> None:
+        partitions.prepare(conn)  # the previous release's table is upgraded first
+
 
 JOB = Popularity(
     code="catalog-popularity-recompute",
@@ -101,7 +109,7 @@ JOB = Popularity(
     conn_id="catalog_db",
     domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
     owned_ddl=[
-        ("pin_nightly.run_signal", "schema/pin_nightly"),
+        ("pin_nightly.popularity_skipped_card", "schema/pin_nightly"),
         ("catalog.popularity_daily_views", "schema/catalog_popularity"),
     ],
     completed="run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
@@ -340,12 +348,19 @@ class Recompute(ranges.Worker):
 
     @property
     def writes(self) -> tuple[str, ...]:
-        """The tables its batches write (pacing watches their vacuum)."""
-        return (KINDS[self.kind].table, "catalog.popularity_daily_views")
+        """The platform's table its batches write (pacing watches its vacuum). Not the job's
+        own snapshot table: tonight's partition is vacuumed by autovacuum as the job's own
+        inserts fill it, again and again through the night, and a VACUUM there slows no
+        platform read; retention, whose DROP would wait for it, still paces on it."""
+        return (KINDS[self.kind].table,)
 
     @property
     def span_attributes(self) -> dict[str, Any]:
         return {"card_kind": self.kind}  # the spec's name, on each batch span
+
+    @property
+    def item_kind(self) -> str:
+        return self.kind
 
     @property
     def source(self) -> dict[str, Any]:
@@ -353,6 +368,7 @@ class Recompute(ranges.Worker):
         return {"targeted": bool(self.opts["card_ids"]), "card_ids": self.opts["card_ids"]}
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:  # noqa: ARG002
+        partitions.ensure_in(cur, self.opts["as_of_date"])  # tonight's and the week after
         source_sql = card_sql("source", self.kind).strip()
         return sweeps.boundaries(
             cur, source_sql, self.source, self.opts["batch_size"], self.opts["max_ranges"]
@@ -450,9 +466,9 @@ class Recompute(ranges.Worker):
         """``catalog/apply`` for the cards ``ids``; the snapshots of those it did not lock are
         put back as they were (``catalog/unapply``)."""
         at = {"kind": self.kind, "as_of": self.opts["as_of_date"]}
-        views, scores = [valid[i]["views"] for i in ids], [valid[i]["score"] for i in ids]
         cur.execute(
-            card_sql("apply", self.kind), {**at, "ids": ids, "views": views, "scores": scores}
+            card_sql("apply", self.kind),
+            {**at, "ids": ids, **{k: [valid[i][c] for i in ids] for k, c in APPLIED}},
         )
         res = fetch_dicts(cur)
         r = res[0]
@@ -474,20 +490,17 @@ def retention_days(opts: dict[str, Any]) -> int:
     return max(opts["window_days"], DEFAULTS["window_days"])
 
 
-RETENTION_BATCH = 10_000  # snapshots a retention transaction deletes: about 1.5 MB of WAL
-
-
 def retention(run: runs.Run) -> int:
-    """Delete the snapshots no window reads any more, :data:`RETENTION_BATCH` at a time, each
-    batch in a transaction of its own, pacing on the database's health before each (as a
-    range does) and stopping at the run's deadline: what is left is pruned by the next run."""
+    """Drop the partitions of snapshots no window reads any more, one a transaction, pacing
+    on the database's health before each (as a range does) and stopping at the run's
+    deadline: what is left is pruned by the next run (:func:`partitions.prune`)."""
     opts = run.opts
     if run.lease is None or opts["card_ids"]:
         log.info("retention skipped (%s)", "targeted run" if opts["card_ids"] else LOCK_HELD)
         return 0
     lease = runs.rejoin_lease(run)
     keep = retention_days(opts)
-    params = {"as_of": opts["as_of_date"], "keep_days": keep, "limit": RETENTION_BATCH}
+    params = {"as_of": opts["as_of_date"], "keep_days": keep}
     with connection(JOB.conn_id) as conn:
         with transaction(conn) as cur:
             why = _backfill_guard(cur, opts)
@@ -498,7 +511,10 @@ def retention(run: runs.Run) -> int:
             log.warning("retention skipped: %s", why)
             return 0
         if not opts["dry_run"]:
-            pruned = _prune(conn, lease, params, opts)
+            pruned = partitions.prune(conn, lease, opts, keep)
+            with transaction(conn) as cur:
+                for name in ("prune_inherited", "prune_skipped"):
+                    cur.execute(sql(f"catalog/{name}"), params)
     log.info(
         "retention: %d snapshot(s) older than %s - %d days %s",
         pruned,
@@ -507,47 +523,6 @@ def retention(run: runs.Run) -> int:
         "would be pruned (dry run)" if opts["dry_run"] else "pruned",
     )
     return pruned
-
-
-def _prune(conn, lease: leases.Lease, params: dict[str, Any], opts: dict[str, Any]) -> int:
-    """Retention's batches until one is not full; the snapshots deleted. Past the run's
-    deadline it still deletes the oldest night past the horizon, without pausing (a bounded
-    amount of work, then it stops): the table never grows by more than a night on nights whose
-    passes, or pauses, use the whole budget."""
-    pruned = 0
-    with transaction(conn) as cur:
-        cur.execute(sql("catalog/retention_oldest"), params)
-        oldest = cur.fetchone()[0]
-    params = {**params, "through": None}
-    with healths.Health.from_opts(opts, ("catalog.popularity_daily_views",), JOB.dag_id) as pace:
-        while True:
-            if params["through"] is None:  # past the deadline: one night, unpaced
-                pace.wait(conn, lease, label="retention")  # outside any transaction
-            with transaction(conn) as cur:
-                past_deadline, renew_due = leases.fence(cur, lease)
-                if past_deadline and params["through"] is None:
-                    if oldest is None:
-                        log.warning(
-                            "retention stopped at the run's deadline after %d snapshot(s); the "
-                            "next run prunes the rest",
-                            pruned,
-                        )
-                        return pruned
-                    log.warning(
-                        "retention: the run's deadline has passed after %d snapshot(s); it "
-                        "deletes the oldest night past the horizon (%s) and leaves the rest "
-                        "to the next run",
-                        pruned,
-                        oldest,
-                    )
-                    params["through"] = oldest
-                cur.execute(sql("catalog/retention"), params)
-                deleted = cur.rowcount
-            pruned += deleted
-            if deleted < params["limit"]:
-                return pruned
-            if renew_due:
-                leases.renew(conn, lease)
 
 
 def _settle(conn, opts: dict[str, Any], result: dict[str, Any]) -> None:
@@ -564,6 +539,7 @@ def _settle(conn, opts: dict[str, Any], result: dict[str, Any]) -> None:
     if scored is not None:
         result["scores_as_of_date"] = scored["as_of_date"].isoformat()
         result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
+        result["cards_unscored"] = scored["cards_unscored"]
     if opts["dry_run"]:  # nothing was written: report what would have been
         result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
         result.update({k: 0 for k in DRY_RUN_FIELDS})
@@ -584,8 +560,9 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], window) -> runs.Signa
         # the exporter's mapping turns the milliseconds into the spec's seconds
         timings=[[f"{METRIC}_duration_seconds", result["duration_ms"], None]],
     )
-    # success means the nightly work was done: both passes, nothing left, not a targeted run
-    if result["status"] == "success" and not opts["card_ids"]:
+    # success means the nightly work was done: both passes, nothing left, not a targeted run,
+    # the nightly's formula
+    if result["status"] == "success" and not opts["card_ids"] and not formula_variant(opts):
         done = window.work_done_at.timestamp()
         signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
     return signals
@@ -602,16 +579,19 @@ def _emit_state(conn) -> None:
     if scored is not None:
         metrics.gauge("catalog_popularity_score_staleness_hours", scored["staleness_hours"])
         metrics.gauge(f"{METRIC}_scored_date_timestamp_seconds", scored["as_of_epoch"])
+        # cards a night could not take (locked by others through its retry): not fresh
+        metrics.gauge(f"{METRIC}_cards_unscored", scored["cards_unscored"])
 
 
 def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
     """The extra of the scores' asset event for a run's result, or None when the run published
     no fresh scores: only a real run (not dry, not targeted) that completed both passes of its
-    as_of_date and left nothing unfinished."""
+    as_of_date with the nightly's formula and left nothing unfinished."""
     if (
         result["status"] != "success"
         or result["dry_run"]
         or result.get("targeted")
+        or result.get("formula_variant")
         or result["scores_as_of_date"] != result["as_of_date"]
     ):
         return None

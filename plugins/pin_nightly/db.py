@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -86,6 +87,11 @@ def resolve(conn_id: str):
     return hook
 
 
+# Seconds a job waits for a server to answer a new connection, unless the Airflow connection's
+# extra gives its own connect_timeout: a named replica that is down pauses pacing for seconds.
+CONNECT_TIMEOUT_S = 5
+
+
 def connect(conn_id: str):
     """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off.
 
@@ -94,6 +100,9 @@ def connect(conn_id: str):
     happen before the task touches any data.
     """
     hook = resolve(conn_id)
+    extra = hook.connection.extra_dejson
+    if "connect_timeout" not in extra:  # libpq waits for the TCP timeout otherwise (minutes)
+        hook.connection.extra = json.dumps({**extra, "connect_timeout": CONNECT_TIMEOUT_S})
     try:
         conn = hook.get_conn()
     except Exception as exc:  # noqa: BLE001 - re-raised with the connection named
@@ -118,16 +127,22 @@ SESSION_BOUNDS = {
 }
 
 
+# The wal_compression methods a job session tries, in order (zstd, else lz4, else pglz: built in,
+# more CPU for less); a deployment sets ``PIN_WAL_COMPRESSION`` (for example ``lz4``) or ``off``.
+WAL_COMPRESSION = "zstd,lz4,pglz"
+
+
 def bound_session(conn) -> dict[str, str]:
     """Apply :data:`SESSION_BOUNDS` where the session has none, and compress the full-page
     images of its WAL where the role may (``common/wal_compression``); return the session's
     timeouts."""
+    methods = os.environ.get("PIN_WAL_COMPRESSION", WAL_COMPRESSION).replace(" ", "")
     with transaction(conn) as cur:
         cur.execute(sql("common/session_bounds"), SESSION_BOUNDS)
         values = dict(cur.fetchall())
         cur.execute(sql("common/server_version_num"))
-        if cur.fetchone()[0] >= 150000:
-            cur.execute(sql("common/wal_compression"))
+        if cur.fetchone()[0] >= 150000 and methods != "off":
+            cur.execute(sql("common/wal_compression"), {"methods": methods.split(",")})
             log.debug("wal_compression: %s", cur.fetchone()[0])
     log.debug("session bounds: %s", values)
     return values

@@ -96,6 +96,13 @@ class Job:
     def alert(self, run: Run, alert: dict[str, Any]) -> None:
         """Send the alert a summary's signals carry."""
 
+    def rows_tried(self, result: dict[str, Any]) -> int:
+        """The rows a run's ``result`` tried to write, those that failed included."""
+        return result["item_errors"]
+
+    def prepare(self, conn) -> None:
+        """After the job-owned tables are checked, before the lease: upgrade their layout."""
+
 
 def dag_settings(job: Job, params: dict[str, Any], owner: str) -> dict[str, Any]:
     """The DAG arguments both jobs' DAGs share: one run at a time and no catchup, the job's
@@ -236,6 +243,59 @@ def pace_params() -> dict[str, Any]:
     return out
 
 
+# Params a deployment's settings may not give: what one run asks for.
+PER_RUN = frozenset({"scope", "post_ids", "card_ids", "dry_run"})
+
+
+def settings_variable(job: Job) -> str:
+    """The Airflow Variable holding a deployment's defaults of the job's params: a JSON object,
+    set in the UI, a secrets backend or ``AIRFLOW_VAR_PIN_NIGHTLY_<DAG_ID>``."""
+    return f"pin_nightly_{job.dag_id}"
+
+
+def deployment_settings(
+    job: Job, spec: dict[str, Any], params: dict[str, Any], conf: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``params`` with the deployment's settings (:func:`settings_variable`, read at run time)
+    in place of the code's defaults, and the settings applied: a value the run's ``conf`` gives
+    wins. Each setting is checked against its param's schema before anything is written."""
+    import json
+
+    from airflow.sdk import Variable
+
+    name = settings_variable(job)
+    raw = Variable.get(name, default=None)
+    if raw is None:
+        return params, {}
+    try:
+        settings = json.loads(raw)
+    except ValueError as exc:
+        raise JobConfigError(f"Variable {name} is not JSON: {exc}") from exc
+    if not isinstance(settings, dict):
+        raise JobConfigError(f"Variable {name} must be a JSON object of params, got {raw!r}")
+    errors = [_setting_error(spec, k, v) for k, v in settings.items()]
+    if errors := [e for e in errors if e]:
+        raise JobConfigError(f"Variable {name}: " + "; ".join(errors))
+    applied = {k: v for k, v in settings.items() if k not in (conf or {})}
+    if applied:
+        log.info("deployment settings (Variable %s): %s", name, applied)
+    return {**params, **applied}, applied
+
+
+def _setting_error(spec: dict[str, Any], key: str, value: Any) -> str | None:
+    """Why ``key: value`` may not be a deployment setting (None: it may)."""
+    import copy
+
+    if key not in spec or key in PER_RUN:
+        allowed = ", ".join(sorted(set(spec) - PER_RUN))
+        return f"{key!r} is not a setting (one of: {allowed})"
+    try:
+        copy.deepcopy(spec[key]).resolve(value)
+    except Exception as exc:  # noqa: BLE001 - ParamValidationError, reported with the key
+        return f"{key}: {str(exc).splitlines()[0]}"
+    return None
+
+
 def defaults(params: dict[str, Any]) -> dict[str, Any]:
     return {name: param.value for name, param in params.items()}
 
@@ -281,6 +341,7 @@ def preflight(conn, job: Job) -> list[str]:
         check_columns(conn, table, columns)
     for probe, ddl in job.owned_ddl:
         ensure_schema(conn, probe, ddl)
+    job.prepare(conn)
     warnings = []
     for table, fragment, name in job.recommended_indexes:
         if not has_index_on(conn, table, fragment):
@@ -411,15 +472,25 @@ def publish(asset: Any, extra: dict[str, Any] | None, outlet_events: Any) -> dic
 
 def task_failed(metric: str, context: dict[str, Any]) -> None:
     """on_failure_callback / on_retry_callback of every task of a job's DAG: every failed task
-    attempt counts in ``<metric>_errors_total``, whichever task it is."""
+    attempt counts in ``<metric>_errors_total``, whichever task it is, but a manual run's
+    configuration error (a mistyped conf: the person who triggered it sees it at once), which
+    counts in ``<metric>_config_errors_total`` and pages no one. A scheduled run's is an error:
+    the nightly cannot run."""
     ti = context.get("task_instance") or context.get("ti")
+    exc = context.get("exception")
+    dag_run = context.get("dag_run")
+    manual = str(getattr(dag_run, "run_type", "")).lower().endswith("manual")
+    if manual and isinstance(getattr(exc, "__cause__", None) or exc, JobConfigError):
+        log.error("configuration error of a manual run: %s", exc)
+        metrics.incr(f"{metric}_config_errors_total")
+        return
     log.error(
         "task failed: %s.%s map_index=%s try=%s: %s",
         getattr(ti, "dag_id", "?"),
         getattr(ti, "task_id", "?"),
         getattr(ti, "map_index", "?"),
         getattr(ti, "try_number", "?"),
-        context.get("exception"),
+        exc,
     )
     metrics.incr(f"{metric}_errors_total")
 

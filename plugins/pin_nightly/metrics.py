@@ -28,6 +28,7 @@ METRICS: dict[str, Metric] = {
         "counter", "comments_count values corrected, counted once from pin_nightly.news_drift"
     ),
     f"{NEWS}_errors_total": Metric("counter", "failed or retried task attempts"),
+    f"{NEWS}_config_errors_total": Metric("counter", "manual runs refused for their conf"),
     f"{NEWS}_run_duration_ms": Metric("timer", "time from the lease to the summary"),
     f"{NEWS}_backlog_remaining": Metric("gauge", "1 when a sweep is unfinished after the run"),
     f"{NEWS}_posts_skipped_locked": Metric(
@@ -56,12 +57,16 @@ METRICS: dict[str, Metric] = {
         "counter", "snapshots written or pruned", frozenset({"op"})
     ),
     f"{CATALOG}_errors_total": Metric("counter", "failed task attempts and poison cards"),
+    f"{CATALOG}_config_errors_total": Metric("counter", "manual runs refused for their conf"),
     f"{CATALOG}_backlog_remaining": Metric("gauge", "1 when a pass is unfinished after the run"),
     f"{CATALOG}_scored_date_timestamp_seconds": Metric(
         "gauge", "the newest as_of_date whose two passes completed"
     ),
     f"{CATALOG}_last_success_timestamp_seconds": Metric(
         "gauge", "when the work of the last run that left nothing behind completed"
+    ),
+    f"{CATALOG}_cards_unscored": Metric(
+        "gauge", "cards left without tonight's score: held by others through the retry"
     ),
     "catalog_popularity_score_staleness_hours": Metric(
         "gauge", "age of the newest completely scored as_of_date at the run's end"

@@ -82,6 +82,9 @@ class News(jobs.Job):
     def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:  # noqa: ARG002
         _tidy(conn, run.holder)
 
+    def rows_tried(self, result: dict[str, Any]) -> int:
+        return result["posts_reconciled"] + result["item_errors"]
+
     def signals(self, run: runs.Run, result, cur, window, nightly: bool) -> runs.Signals:
         return _signals(run.opts, result, cur, window, nightly)
 
@@ -102,7 +105,7 @@ JOB = News(
         "news.posts": ["id", "status", "comments_count", "updated_at"],
         "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
     },
-    owned_ddl=[("pin_nightly.run_signal", "schema/pin_nightly")],
+    owned_ddl=[("pin_nightly.popularity_skipped_card", "schema/pin_nightly")],
     recommended_indexes=[
         ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
         ("news.comments", "(updated_at)", "ix_comments_updated_at"),
@@ -130,7 +133,7 @@ PARAMS = {
         "auto",
         enum=list(SCOPES),
         description="auto (FullSweep on nights matching full_sweep_cron in Europe/Moscow, "
-        "else DailyWindow), DailyWindow or FullSweep",
+        "a manual run before noon of that day; else DailyWindow), DailyWindow or FullSweep",
     ),
     "full_sweep_cron": Param(
         "0 3 * * 0",
@@ -203,7 +206,7 @@ def validate_options(
             f"post_ids asks for a targeted repair; leave scope at 'auto' (got {p['scope']!r})"
         )
     jobs.refuse(errors)
-    scope = _effective_scope(p, post_ids, run_instant)
+    scope = _effective_scope(p, post_ids, run_instant, nightly)
     opts = {
         **p,
         "post_ids": post_ids,
@@ -225,14 +228,24 @@ def validate_options(
     return opts
 
 
-def _effective_scope(p: dict[str, Any], post_ids: list[str], instant: datetime) -> str:
+# A manual ``auto`` run is about the night until this hour (Europe/Moscow) of the day
+# ``full_sweep_cron`` fires on; later that day it is a DailyWindow.
+NIGHT_ENDS_HOUR = 12
+
+
+def _effective_scope(
+    p: dict[str, Any], post_ids: list[str], instant: datetime, nightly: bool = False
+) -> str:
     """The run's scope: Targeted for given posts; auto is FullSweep on the nights that
-    ``full_sweep_cron`` fires on in Europe/Moscow, else DailyWindow."""
+    ``full_sweep_cron`` fires on in Europe/Moscow (a manual run: before noon of that day),
+    else DailyWindow."""
     if post_ids:
         return "Targeted"
     if p["scope"] != "auto":
         return p["scope"]
-    return "FullSweep" if cron_fires_on_day(p["full_sweep_cron"], instant, TZ) else "DailyWindow"
+    night = nightly or pendulum.instance(instant).in_timezone(TZ).hour < NIGHT_ENDS_HOUR
+    full = night and cron_fires_on_day(p["full_sweep_cron"], instant, TZ)
+    return "FullSweep" if full else "DailyWindow"
 
 
 def _window_cutoff(cur, opts: dict[str, Any]) -> datetime:

@@ -60,7 +60,13 @@ class Worker:
     @property
     def record(self) -> dict[str, Any]:
         """What an item error of its batches is recorded with (:func:`isolate_items`)."""
-        return {"job": self.job_code, "run_id": self.run_id, "sweep_id": self.sweep_id}
+        ids = {"job": self.job_code, "run_id": self.run_id, "sweep_id": self.sweep_id}
+        return {**ids, "item_kind": self.item_kind}
+
+    @property
+    def item_kind(self) -> str | None:
+        """The kind of the rows it writes, where the job has several (a card kind)."""
+        return None
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -169,7 +175,9 @@ def isolate_items(
 def _record_item_error(cur, record: dict[str, Any], item: str, item_id: str, exc) -> None:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
     state = sqlstate(exc)
-    log.error("item failed: %s=%s sqlstate=%s: %s", item, item_id, state, message)
+    kind = record.get("item_kind")  # card_id: card_kind=<kind> first, as the spec names them
+    about = f"{item.rsplit('_', 1)[0]}_kind={kind} " if kind else ""
+    log.error("item failed: %s%s=%s sqlstate=%s: %s", about, item, item_id, state, message)
     error = {"item_id": item_id, "sqlstate": state, "message": message}
     cur.execute(sql("common/item_error_record"), {**record, **error})
 

@@ -184,6 +184,7 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
                 result["status"] = "backlog_remaining"
             result["history_pruned"] = prune_history(conn, run)
             job.settle(conn, run, result)
+            _mostly_failed(job, result)
             result["duration_ms"] = elapsed_ms(run.lease)
             if not run.dry_run:  # a dry run sends nothing
                 signals = summary_signals(conn, run, functools.partial(job.signals, run, result))
@@ -196,7 +197,24 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
         if signals is not None:
             metrics.gauge(f"{job.dag_id}_backlog_remaining", int(result["backlog_remaining"]))
             signals[0].send(signals[1], functools.partial(job.alert, run))
+    if result["status"].startswith(MOSTLY_FAILED):
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"{job.code}: {result['status']} (pin_nightly.item_error)")
     return result
+
+
+# A run in which most of the rows it tried failed (and at least this many) is not a success: a
+# rule of the database rejects the job's writes. Its summary fails after the run is logged and
+# counted; it publishes nothing and the last-success time stays.
+MOSTLY_FAILED_MIN = 10
+MOSTLY_FAILED = "failed:"
+
+
+def _mostly_failed(job: Job, result: dict[str, Any]) -> None:
+    failed, tried = result["item_errors"], job.rows_tried(result)
+    if failed >= MOSTLY_FAILED_MIN and failed * 2 > tried:
+        result["status"] = f"{MOSTLY_FAILED} {failed} of {tried} rows could not be written"
 
 
 def new_result(run: Run) -> dict[str, Any]:
@@ -209,6 +227,7 @@ def new_result(run: Run) -> dict[str, Any]:
         "duration_ms": 0,
         "run_id": run.run_id,
         "unfinished_sweeps": [],
+        **({"settings": run.opts["settings"]} if run.opts.get("settings") else {}),
     }
 
 

@@ -25,14 +25,14 @@ SELECT b.name, CASE WHEN current_setting(b.name) IN ('0', '0ms')
 -- For the whole session, where the job's role may set it (a superuser, or a role granted SET ON
 -- PARAMETER wal_compression, PostgreSQL 15+: include/sql/schema/roles.sql) and the server
 -- leaves it off: compress the full-page images of the session's writes in the WAL with the best
--- method the server was built with: zstd, else lz4, else pglz (built in; more CPU for less).
+-- first method of %(methods)s (db.WAL_COMPRESSION) the server was built with.
 -- Returns the value in force. Only on PostgreSQL 15+ (the caller checks server_version_num).
 SELECT CASE WHEN current_setting('wal_compression') = 'off'
              AND has_parameter_privilege('wal_compression', 'SET')
              AND best.method IS NOT NULL
             THEN set_config('wal_compression', best.method, false)
             ELSE current_setting('wal_compression') END
-  FROM (SELECT (SELECT m FROM unnest(ARRAY['zstd', 'lz4', 'pglz']) WITH ORDINALITY AS a(m, o)
+  FROM (SELECT (SELECT m FROM unnest(%(methods)s::text[]) WITH ORDINALITY AS a(m, o)
                  WHERE m = ANY (enumvals) ORDER BY o LIMIT 1) AS method
           FROM pg_settings WHERE name = 'wal_compression') AS best
 
@@ -77,5 +77,6 @@ ROLLBACK TO SAVEPOINT pin_item
 RELEASE SAVEPOINT pin_item
 
 -- name: item_error_record
-INSERT INTO pin_nightly.item_error (job, run_id, sweep_id, item_id, sqlstate, message)
-VALUES (%(job)s, %(run_id)s, %(sweep_id)s, %(item_id)s::uuid, %(sqlstate)s, %(message)s)
+INSERT INTO pin_nightly.item_error (job, run_id, sweep_id, item_kind, item_id, sqlstate, message)
+VALUES (%(job)s, %(run_id)s, %(sweep_id)s, %(item_kind)s, %(item_id)s::uuid, %(sqlstate)s,
+        %(message)s)

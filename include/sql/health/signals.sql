@@ -27,10 +27,15 @@ SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes,
        (SELECT replica FROM replicas ORDER BY lag_seconds DESC LIMIT 1) AS replica_lag_seconds_of,
        (SELECT max(lag_bytes) FROM replicas) AS replica_lag_bytes,
        (SELECT replica FROM replicas ORDER BY lag_bytes DESC LIMIT 1) AS replica_lag_bytes_of,
-       (SELECT string_agg(v.relid::regclass::text || ' pid ' || v.pid || ' ' || v.phase, ', ')
+       -- a partitioned table's VACUUM runs on its partitions: named by the table written (the
+       -- partition tree of a plain table is empty: the table itself is added)
+       (SELECT string_agg(w.t || ' pid ' || v.pid || ' ' || v.phase, ', ')
           FROM pg_stat_progress_vacuum v
-         WHERE v.datname = current_database()
-           AND v.relid IN (SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) AS t)) AS vacuum,
+          JOIN (SELECT t, r.relid FROM unnest(%(tables)s::text[]) AS t,
+                       LATERAL (SELECT to_regclass(t) AS relid
+                                UNION SELECT p.relid FROM pg_partition_tree(to_regclass(t)) p)
+                       AS r) w ON w.relid = v.relid
+         WHERE v.datname = current_database()) AS vacuum,
        CASE WHEN current_setting('archive_mode') <> 'off' THEN (
            SELECT (('x' || substr(cur, 9, 8))::bit(32)::bigint - ('x' || substr(done, 9, 8))::bit(32)::bigint)
                       * (4294967296 / s.size)

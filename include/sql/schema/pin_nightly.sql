@@ -83,6 +83,8 @@ CREATE TABLE IF NOT EXISTS pin_nightly.item_error (
     recorded_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS item_error_recorded ON pin_nightly.item_error (job, recorded_at);
+-- the row's kind where a job has several (catalog: the spec's CardKind), else null
+ALTER TABLE pin_nightly.item_error ADD COLUMN IF NOT EXISTS item_kind text;
 
 -- A range may start inside itself (a sweep that resumes where the previous night's stopped):
 -- it works (wrap_at, upper_id], then wraps (wrapped) to (lower_id, wrap_at].
@@ -132,6 +134,30 @@ CREATE TABLE IF NOT EXISTS pin_nightly.news_window_candidate (
 CREATE TABLE IF NOT EXISTS pin_nightly.news_skipped_post (
     post_id    uuid        PRIMARY KEY,
     skipped_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- catalog_popularity_recompute: the score a card had when the job first snapshotted it, while
+-- the job's history did not yet cover the window (a platform's first nights with the job). Until
+-- the card's window is covered (as_of > as_of_date - window_days), its score is the formula over
+-- its snapshots plus this score decayed from as_of: a first night keeps the platform's scores
+-- instead of writing 0 (docs/design.md#first-nights). Pruned with the snapshots' horizon.
+CREATE TABLE IF NOT EXISTS pin_nightly.popularity_inherited (
+    card_kind varchar(16)   NOT NULL,
+    card_id   uuid          NOT NULL,
+    score     numeric(12,4) NOT NULL,
+    as_of     date          NOT NULL,
+    PRIMARY KEY (card_kind, card_id)
+);
+
+-- catalog_popularity_recompute: cards still locked by others after the end-of-range retry,
+-- which got no snapshot and no score that night (as_of). Forgotten when a later batch writes
+-- the card, or past the snapshots' horizon; counted by the unscored-cards gauge.
+CREATE TABLE IF NOT EXISTS pin_nightly.popularity_skipped_card (
+    card_kind  varchar(16) NOT NULL,
+    card_id    uuid        NOT NULL,
+    as_of      date        NOT NULL,
+    skipped_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (card_kind, card_id)
 );
 
 -- The signals each acquisition sent (metrics, alerts), written by its first summary: a summary

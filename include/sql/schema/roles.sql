@@ -59,7 +59,7 @@ BEGIN
            OR (job = 'pin_catalog_job' AND to_regnamespace('catalog') IS NULL) THEN
             CONTINUE;
         END IF;
-        IF to_regclass('pin_nightly.run_signal') IS NULL THEN
+        IF to_regclass('pin_nightly.popularity_skipped_card') IS NULL THEN
             RAISE EXCEPTION 'schema pin_nightly is missing or out of date: apply include/sql/schema/pin_nightly.sql first';
         END IF;
         EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), job);
@@ -111,6 +111,19 @@ BEGIN
             ON catalog.property_object_cards, catalog.project_cards TO pin_catalog_job;
         -- the job's own snapshots: upsert, window reads, retention
         GRANT SELECT, INSERT, UPDATE, DELETE ON catalog.popularity_daily_views TO pin_catalog_job;
+        -- the scores kept through the first nights: recorded, pruned past the horizon
+        GRANT SELECT, INSERT, DELETE ON pin_nightly.popularity_inherited TO pin_catalog_job;
+        -- cards left locked by others: remembered, forgotten once written
+        GRANT SELECT, INSERT, UPDATE, DELETE ON pin_nightly.popularity_skipped_card
+            TO pin_catalog_job;
+        -- its partitions: created ahead of the nights, dropped past retention's horizon, by
+        -- the table owner's SECURITY DEFINER functions (catalog_popularity.sql)
+        IF to_regprocedure('catalog.popularity_ensure_partitions(date, date)') IS NOT NULL THEN
+            REVOKE EXECUTE ON FUNCTION catalog.popularity_ensure_partitions(date, date),
+                catalog.popularity_drop_partition(date, integer) FROM PUBLIC;
+            GRANT EXECUTE ON FUNCTION catalog.popularity_ensure_partitions(date, date),
+                catalog.popularity_drop_partition(date, integer) TO pin_catalog_job;
+        END IF;
     END IF;
 END
 $grants$;
