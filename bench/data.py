@@ -14,6 +14,7 @@ from bench.common import AS_OF, NEWS_ANCHOR, SEED, db_name
 
 log = logging.getLogger("bench.data")
 VERSION = 4  # rows identical to the generator of version 4: its data is reused
+CATALOG_VERSION = 5  # the snapshot table partitioned by night (version 4: one table)
 PIN_TABLES = (
     "pin_nightly.job_lease, pin_nightly.sweep, pin_nightly.sweep_range, pin_nightly.run_log, "
     "pin_nightly.news_drift, pin_nightly.news_window_candidate, pin_nightly.news_skipped_post"
@@ -49,7 +50,7 @@ def _write_meta(c, meta: dict) -> None:
     )
 
 
-def _ensure(name: str, scale: float, regenerate: bool, make) -> dict:
+def _ensure(name: str, scale: float, regenerate: bool, make, version: int = VERSION) -> dict:
     """The database ``name`` made by ``make(dsn) -> facts`` unless a complete one of this scale,
     seed and generator version exists; the job-owned schema is always recreated from today's
     DDL."""
@@ -60,7 +61,7 @@ def _ensure(name: str, scale: float, regenerate: bool, make) -> dict:
         exists = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
     meta = None if regenerate or not exists else _meta(dsn)
     if meta and meta.get("complete") and meta["scale"] == scale and meta["seed"] == SEED:
-        if meta.get("version") == VERSION:
+        if meta.get("version") == version:
             log.info("%s present (generated %s): reused", name, meta["generated_at"])
             with _conn(dsn) as c:
                 c.execute("DROP SCHEMA IF EXISTS pin_nightly CASCADE")
@@ -91,13 +92,16 @@ def _ensure(name: str, scale: float, regenerate: bool, make) -> dict:
             )
             c.execute("ALTER TABLE bench.cards_pristine ADD PRIMARY KEY (kind, id)")
         for t in tables:
-            c.execute(f"ALTER TABLE {t} SET (autovacuum_enabled = off)")
+            if t == "catalog.popularity_daily_views":  # set on its partitions, not the parent
+                _autovacuum_off_partitions(c)
+            else:
+                c.execute(f"ALTER TABLE {t} SET (autovacuum_enabled = off)")
         c.execute("VACUUM ANALYZE")
         size = c.execute("SELECT pg_size_pretty(pg_database_size(current_database()))")
         meta = {
             "scale": scale,
             "seed": SEED,
-            "version": VERSION,
+            "version": version,
             "generated_at": datetime.now(UTC).isoformat(),
             "changes_anchor": NEWS_ANCHOR.isoformat(),
             "facts": facts,
@@ -108,6 +112,13 @@ def _ensure(name: str, scale: float, regenerate: bool, make) -> dict:
         _write_meta(c, meta)
     log.info("%s ready in %.0f s: %s", name, meta["generate_s"], facts)
     return meta
+
+
+def _autovacuum_off_partitions(c) -> None:
+    for (name,) in c.execute(
+        "SELECT partition_name FROM catalog.popularity_partitions()"
+    ).fetchall():
+        c.execute(f"ALTER TABLE {name} SET (autovacuum_enabled = off)")
 
 
 def ensure_news(scale: float, regenerate: bool = False) -> dict:
@@ -129,7 +140,7 @@ def ensure_catalog(scale: float, regenerate: bool = False) -> dict:
     def make(dsn):
         return datagen.catalog(dsn, n1, n2, AS_OF, seed=SEED % 1000 / 1000, log=log)
 
-    return _ensure(db_name("catalog", scale), scale, regenerate, make)
+    return _ensure(db_name("catalog", scale), scale, regenerate, make, CATALOG_VERSION)
 
 
 def reage_news(dsn: str, max_age: timedelta = timedelta(minutes=20)) -> None:
@@ -181,8 +192,22 @@ def reset_catalog(dsn: str, views: bool = False) -> None:
     consumer incremented), empty the job-owned tables, VACUUM, CHECKPOINT."""
     with _conn(dsn) as c:
         c.execute(f"TRUNCATE {PIN_TABLES}")
-        c.execute("DELETE FROM catalog.popularity_daily_views WHERE run_date >= %s", (AS_OF,))
+        # tonight's partition and the week after it empty, as the night before creates them
+        c.execute(f"""
+            DO $drop$
+            DECLARE p record;
+            BEGIN
+                FOR p IN SELECT partition_name FROM catalog.popularity_partitions()
+                          WHERE lower_bound >= '{AS_OF}' LOOP
+                    EXECUTE 'DROP TABLE ' || p.partition_name;
+                END LOOP;
+            END
+            $drop$""")
+        ahead = (AS_OF, AS_OF + timedelta(days=7))
+        c.execute("SELECT catalog.popularity_ensure_partitions(%s, %s)", ahead)
         oldest = AS_OF - timedelta(days=31)
+        c.execute("SELECT catalog.popularity_ensure_partitions(%s, %s)", (oldest, oldest))
+        _autovacuum_off_partitions(c)
         c.execute(
             "CREATE TABLE IF NOT EXISTS bench.oldest_night AS "
             "SELECT * FROM catalog.popularity_daily_views WHERE run_date = %s",

@@ -34,6 +34,7 @@ from bench.common import (
     setup_airflow_env,
     wait_quiet,
 )
+from pin_nightly.db import WAL_COMPRESSION
 
 log = logging.getLogger("bench")
 # Checkpoints where the bench puts them (a CHECKPOINT before each measured run), not in the
@@ -98,6 +99,7 @@ def bench_job(args, job: str, dsn: str, pools: dict) -> dict:
             "floor": (None, lambda: runners.floor(dsn, job)),
             "job_1": (None, lambda: runners.run_catalog(pools[1], 1)),
             "job_2": (None, lambda: runners.run_catalog(pools[2], 2)),
+            "job_1_walc": (None, lambda: runners.run_catalog(pools["walc"], 1)),
         },
     }[job]
     items: dict[str, list] = {k: [] for k in plan}
@@ -127,15 +129,18 @@ def bench_job(args, job: str, dsn: str, pools: dict) -> dict:
     return items
 
 
-def bench_retention(dsn: str) -> list[dict]:
-    """Retention of the oldest night, once, at the end: the deleted night is not put back
-    (re-inserting it would change the table's physical order for the next measurements)."""
-    data.reset_catalog(dsn)
-    r = measure(runners.run_retention, dsn)
-    if not r["rows"]:
-        raise RuntimeError("retention pruned nothing")
-    _log("catalog", "retention", 0, r)
-    return [r]
+def bench_retention(dsn: str) -> dict[str, list[dict]]:
+    """Retention of the oldest night, at the end, without and with wal_compression (the reset
+    before each puts the night back as a partition of its own)."""
+    out = {}
+    for item, walc in (("retention", "off"), ("retention_walc", WAL_COMPRESSION)):
+        data.reset_catalog(dsn)
+        r = measure(lambda walc=walc: runners.run_retention(walc), dsn)
+        if not r["rows"]:
+            raise RuntimeError("retention pruned nothing")
+        _log("catalog", item, 0, r)
+        out[item] = [r]
+    return out
 
 
 def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
@@ -251,15 +256,22 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in SERVER.items():
             conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")
         conn.execute("SELECT pg_reload_conf()")
-    meta = {"news": data.ensure_news(args.scale, args.regenerate)}
-    meta["catalog"] = data.ensure_catalog(args.scale, args.regenerate)
-    dsns = {job: devenv.dsn_for(db_name(job, args.scale)) for job in ("news", "catalog")}
+    # the data sets measured: the hot path uses both databases
+    needed = [j for j in ("news", "catalog") if j in jobs or "hotpath" in jobs]
+    ensure = {"news": data.ensure_news, "catalog": data.ensure_catalog}
+    meta = {job: ensure[job](args.scale, args.regenerate) for job in needed}
+    dsns = {job: devenv.dsn_for(db_name(job, args.scale)) for job in needed}
     tag = scale_tag(args.scale)
     pools = {}
     for job, conn_id in (("news", "news_db"), ("catalog", "catalog_db")):
+        if job not in needed:
+            continue
         os.environ[f"AIRFLOW_CONN_{conn_id.upper()}"] = devenv.airflow_connection(dsns[job])
         _warm_up(conn_id)
         pools[job] = {n: runners.Pool(n, dsns[job], f"{job}-s{tag}") for n in (1, 2)}
+        if job == "catalog" and "catalog" in jobs:  # the job's sessions with wal_compression
+            walc = {"PIN_WAL_COMPRESSION": WAL_COMPRESSION}
+            pools[job]["walc"] = runners.Pool(1, dsns[job], f"{job}-s{tag}", walc)
         results[job] = {"meta": meta[job]}
     path = OUT / f"results_s{tag}.json"
     try:
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             results["hotpath"] = bench_hotpath(args, dsns, pools)
             dump_json(path, results)
         if "catalog" in jobs:
-            results["catalog"]["items"]["retention"] = bench_retention(dsns["catalog"])
+            results["catalog"]["items"].update(bench_retention(dsns["catalog"]))
     finally:
         for job in pools:
             ready = [w.ready["rss_kb"] for p in pools[job].values() for w in p.workers]

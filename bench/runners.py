@@ -28,8 +28,13 @@ BIG_BUDGET = {"max_run_duration_minutes": 600, "lock_ttl_minutes": 720}
 LOCK_LOG = {"log_lock_waits": "on", "deadlock_timeout": "5ms"}
 
 
-def _spawn(args: list[str], log_name: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+# what a job session's wal_compression is in the measurements: the server's (off) unless an item
+# says otherwise (db.WAL_COMPRESSION: the best method the server has, where the role may)
+os.environ.setdefault("PIN_WAL_COMPRESSION", "off")
+
+
+def _spawn(args: list[str], log_name: str, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")} | (env_extra or {})
     return subprocess.Popen(
         [sys.executable, "-m", *args],
         cwd=str(REPO),
@@ -45,8 +50,8 @@ def _spawn(args: list[str], log_name: str) -> subprocess.Popen:
 class Worker:
     """A ``bench.worker`` process: a JSON line in, a JSON line out; an empty line ends it."""
 
-    def __init__(self, dsn: str, tag: str) -> None:
-        self.proc = _spawn(["bench.worker", dsn], f"workers-{tag}.log")
+    def __init__(self, dsn: str, tag: str, env: dict | None = None) -> None:
+        self.proc = _spawn(["bench.worker", dsn], f"workers-{tag}.log", env)
         self.ready = self.ask(None)
 
     def ask(self, line: str | None) -> dict:
@@ -67,8 +72,8 @@ class Worker:
 class Pool:
     """``n`` worker processes; each task (a range) goes to whichever is free."""
 
-    def __init__(self, n: int, dsn: str, tag: str) -> None:
-        self.workers = [Worker(dsn, tag) for _ in range(n)]
+    def __init__(self, n: int, dsn: str, tag: str, env: dict | None = None) -> None:
+        self.workers = [Worker(dsn, tag, env) for _ in range(n)]
         self.free: queue.Queue = queue.Queue()
         for w in self.workers:
             self.free.put(w)
@@ -116,7 +121,7 @@ def _pacing(paced: bool) -> dict:
 
     if paced:
         return {}
-    return {name: (False if d is True else 0) for name, (_, d) in health.PARAMS.items()}
+    return {lim.param: (False if lim.default is True else 0) for lim in health.LIMITS}
 
 
 def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict:
@@ -185,20 +190,24 @@ def run_catalog(pool: Pool, n_ranges: int, paced: bool = False) -> dict:
     }
 
 
-def run_retention() -> dict:
-    """The job's retention step two nights after AS_OF: it deletes the oldest night of history,
+def run_retention(wal_compression: str = "off") -> dict:
+    """The job's retention step two nights after AS_OF: it drops the oldest night of history,
     as every night in steady state (lease and release around it, as the DAG does)."""
     from pin_nightly import catalog, jobs, runs
 
     instant = datetime.combine(AS_OF + timedelta(days=2), dtime(3, 0), tzinfo=UTC)
     opts = catalog.validate_options(dict(BIG_BUDGET), instant)
     run_id = _run_id(instant)
-    run = runs.Run.of(catalog.JOB, opts, run_id, jobs.acquire_lease(catalog.JOB, opts, run_id))
-    t0 = time.perf_counter()
-    pruned = catalog.retention(run)
-    dt = time.perf_counter() - t0
-    runs.release_lease(run)
-    batches = pruned // catalog.RETENTION_BATCH + 1  # the last one is not full
+    os.environ["PIN_WAL_COMPRESSION"] = wal_compression
+    try:
+        run = runs.Run.of(catalog.JOB, opts, run_id, jobs.acquire_lease(catalog.JOB, opts, run_id))
+        t0 = time.perf_counter()
+        pruned = catalog.retention(run)
+        dt = time.perf_counter() - t0
+        runs.release_lease(run)
+    finally:
+        os.environ["PIN_WAL_COMPRESSION"] = "off"
+    batches = 1  # one partition a night, detached and dropped in one transaction
     return {
         "seconds": dt,
         "rows": pruned,
