@@ -151,6 +151,20 @@ class NewsDB:
 
     def allow_updates(self, table: str = "news.posts") -> None:
         self.q(f"DROP TRIGGER IF EXISTS fail_one ON {table}")
+        self.q(f"DROP TRIGGER IF EXISTS reject_all ON {table}")
+
+    def reject_all_updates(self, table: str) -> None:
+        """A CHECK-like trigger rejects every UPDATE of ``table`` (SQLSTATE check_violation);
+        see allow_updates."""
+        self.q(
+            "CREATE OR REPLACE FUNCTION public.reject_all() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'frozen (simulated)' USING ERRCODE = 'check_violation'; "
+            "END $$"
+        )
+        self.q(
+            f"CREATE TRIGGER reject_all BEFORE UPDATE ON {table} FOR EACH ROW "
+            "EXECUTE FUNCTION public.reject_all()"
+        )
 
     def rows_per_range(self, sweep_id: int) -> list[int]:
         """Rows each range of the sweep processed, in range order (all attempts together)."""

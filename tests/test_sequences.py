@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
+from pin_nightly.db import sql
 from tests.conftest import SUFFIX
 from tests.helpers import (
     ADVISORY_KEY,
@@ -405,18 +406,11 @@ def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(cata
     a run in which most rows failed is not a success: its summary fails after the run is logged,
     no asset event, and the last-success time stays where it was."""
     db = catalog_db
-    d = db.today() - timedelta(days=1)
+    d = db.today() - timedelta(days=2)
     cards = [db.card(views=20 + i) for i in range(12)]
     for c in cards:
         db.seed_snapshot(c, d - timedelta(days=1), 10)
-    db.q(
-        "CREATE FUNCTION public.reject_all() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-        "RAISE EXCEPTION 'scores are frozen' USING ERRCODE = 'check_violation'; END $$"
-    )
-    db.q(
-        "CREATE TRIGGER reject_all BEFORE UPDATE ON catalog.property_object_cards "
-        "FOR EACH ROW EXECUTE FUNCTION public.reject_all()"
-    )
+    db.reject_all_updates("catalog.property_object_cards")
     r = run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d))
     assert r["state"] == "failed" and r["tasks"]["summarize"] == "failed", r
     assert r["tasks"]["publish"] == "upstream_failed"
@@ -427,6 +421,36 @@ def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(cata
     [(signals,)] = db.q("SELECT signals FROM pin_nightly.run_signal")
     assert not [g for g in signals["gauges"] if g[0].endswith("_last_success_timestamp_seconds")]
     assert all(db.score(c) == 0 for c in cards)
+    # the date does not count as scored: the staleness gauges stay where they were
+    assert result["scores_as_of_date"] is None, result
+    # the rule is lifted: the next night scores every card, and the date counts again
+    db.allow_updates("catalog.property_object_cards")
+    r = run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d + timedelta(days=1)))
+    assert r["state"] == "success", r
+    result = db.one("SELECT result FROM pin_nightly.run_log WHERE status = 'success'")
+    assert result["scores_as_of_date"] == (d + timedelta(days=1)).isoformat(), result
+    assert all(db.score(c) > 0 for c in cards)
+
+
+def test_a_full_sweep_whose_posts_all_fail_is_not_the_job_s_work_done(news_db):
+    """Every post update is rejected: the FullSweep's summary fails and the sweep does not count
+    as completed (the last-FullSweep gauge stays); once the rule is lifted, the next FullSweep
+    corrects every post and counts."""
+    db = news_db
+    ids = db.posts(12, drift_every=1)
+    db.reject_all_updates("news.posts")
+    conf = {"scope": "FullSweep", "batch_size": 5}
+    d = db.today() - timedelta(days=2)
+    r = run_dag(NEWS, conf, logical_date=night(d))
+    assert r["tasks"]["summarize"] == "failed", r
+    assert db.one("SELECT status FROM pin_nightly.run_log").startswith("failed: 12 of 12 rows")
+    completed = sql("common/sweeps_last_completed")
+    job = {"job": "news-comment-reconcile"}
+    assert db.conn.execute(completed, job).fetchall() == []
+    db.allow_updates()
+    assert_ok(run_dag(NEWS, conf, logical_date=night(d + timedelta(days=1))))
+    assert [f for f, _ in db.conn.execute(completed, job).fetchall()] == ["FullSweep"]
+    assert db.drifted_posts() == 0 and len(ids) == 12
 
 
 # --- job-owned tables stay bounded ------------------------------------------------------------

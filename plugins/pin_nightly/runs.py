@@ -183,8 +183,9 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             if result["backlog_remaining"]:
                 result["status"] = "backlog_remaining"
             result["history_pruned"] = prune_history(conn, run)
+            failed = _mostly_failed(conn, run, result)
             job.settle(conn, run, result)
-            _mostly_failed(job, result)
+            result["status"] = failed or result["status"]
             result["duration_ms"] = elapsed_ms(run.lease)
             if not run.dry_run:  # a dry run sends nothing
                 signals = summary_signals(conn, run, functools.partial(job.signals, run, result))
@@ -211,10 +212,19 @@ MOSTLY_FAILED_MIN = 10
 MOSTLY_FAILED = "failed:"
 
 
-def _mostly_failed(job: Job, result: dict[str, Any]) -> None:
-    failed, tried = result["item_errors"], job.rows_tried(result)
-    if failed >= MOSTLY_FAILED_MIN and failed * 2 > tried:
-        result["status"] = f"{MOSTLY_FAILED} {failed} of {tried} rows could not be written"
+def _mostly_failed(conn, run: Run, result: dict[str, Any]) -> str | None:
+    """The status of a run in which most rows failed (None: not such a run); its sweeps are
+    marked so that they do not count as the job's work done (``common/sweep_trusted``)."""
+    failed, tried = result["item_errors"], run.job.rows_tried(result)
+    if failed < MOSTLY_FAILED_MIN or failed * 2 <= tried:
+        return None
+    status = f"{MOSTLY_FAILED} {failed} of {tried} rows could not be written"
+    with transaction(conn) as cur:
+        cur.execute(
+            sql("common/sweeps_mark_failed"),
+            {"job": run.job.code, "owner": run.holder, "status": status},
+        )
+    return status
 
 
 def new_result(run: Run) -> dict[str, Any]:

@@ -124,8 +124,21 @@ SELECT sweep_id, scope, run_id, started_at
 
 -- name: sweeps_last_completed
 -- When the newest sweep of each family completed (real runs only: no dry runs, no targeted
--- repairs), as unix time: the job's work is really being done, not only its runs ending.
+-- repairs, none a run failed most rows of), as unix time: the job's work is really being done,
+-- not only its runs ending.
 SELECT family, extract(epoch FROM max(completed_at))::float8 AS completed_at
   FROM pin_nightly.sweep
- WHERE job = %(job)s AND status = 'done' AND resumable
+ WHERE job = %(job)s AND status = 'done' AND resumable AND {common/sweep_trusted}
  GROUP BY family
+
+-- name: sweep_trusted
+-- A sweep whose rows were written: not one a run failed most rows of (sweeps_mark_failed).
+NOT pin_nightly.sweep.params ? 'rows_failed'
+
+-- name: sweeps_mark_failed
+-- The sweeps an acquisition worked, when most of the rows it tried failed: they do not count as
+-- the job's work done: the freshness gauges stay where they were until a later sweep completes.
+UPDATE pin_nightly.sweep s
+   SET params = s.params || jsonb_build_object('rows_failed', %(status)s::text)
+ WHERE s.job = %(job)s
+   AND s.sweep_id IN (SELECT sweep_id FROM pin_nightly.sweep_range WHERE owner = %(owner)s)
