@@ -254,6 +254,9 @@ def test_second_run_while_the_lease_is_held_does_nothing(news_db, capfd, caplog)
     assert r["state"] == "success"
     assert r["tasks"]["reconcile_range"] == "skipped"  # no range planned
     assert r["summary"]["status"] == "skipped, lock held"
+    assert r["note"] == (
+        "skipped, lock held: another run of the job held its lease; nothing was done"
+    )
     assert "skipped, lock held" in out.out + out.err + caplog.text
     assert news_db.count(drifted) == 5
     assert news_db.q("SELECT holder FROM pin_nightly.job_lease") == [("other-deployment/run-1",)]

@@ -131,6 +131,12 @@ def test_both_dags_run_through_the_scheduler(stack):
     assert stack.catalog.score(card) == Decimal(30)
     summary = stack.news.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", news_run)
     assert summary["drift_corrected"] == 1
+    # the scheduler's listener notes the outcome on the run, which the grid shows
+    note = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{news_run}")["note"]
+    assert (
+        note
+        == f"success: FullSweep, {summary['posts_reconciled']} posts checked, 1 corrected, 0 failed"
+    )
 
 
 def test_invalid_conf_is_rejected_by_the_rest_api(stack):

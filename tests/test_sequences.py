@@ -300,8 +300,15 @@ def test_a_daily_window_after_an_unfinished_one_covers_its_own_window_too(news_d
     old = db.post(count=5, visible=3, comments_at=now - timedelta(hours=2))
     d = db.today() - timedelta(days=1)
     starved = {"scope": "DailyWindow", "max_run_duration_minutes": 0.0001}
-    s1 = assert_ok(run_dag(NEWS, starved, logical_date=night(d)))
+    r1 = run_dag(NEWS, starved, logical_date=night(d))
+    s1 = assert_ok(r1)
     assert s1["status"] == "backlog_remaining" and db.count(old) == 5
+    # the grid's note says which green this is, and what is left
+    [(sweep,)] = db.q("SELECT sweep_id FROM pin_nightly.sweep")
+    assert r1["note"] == (
+        f"backlog_remaining: DailyWindow, {s1['posts_reconciled']} posts checked, 0 corrected, "
+        f"0 failed; left for the next run: DailyWindow (sweep {sweep})"
+    ), r1["note"]
     new = db.post(count=9, visible=1, comments_at=datetime.now(UTC))
     s2 = assert_ok(run_dag(NEWS, {"scope": "DailyWindow"}, logical_date=night(d) + timedelta(1)))
     assert s2["status"] == "success", s2
@@ -427,6 +434,12 @@ def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(cata
     db.allow_updates("catalog.property_object_cards")
     r = run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d + timedelta(days=1)))
     assert r["state"] == "success", r
+    d1 = d + timedelta(days=1)
+    assert r["note"] == (
+        f"success: {d1}, 12 property-object and 0 project cards updated, 0 failed, "
+        f"scores as of {d1}"
+    ), r["note"]
+    _a_persons_note_is_kept(CATALOG, r["run_id"])
     result = db.one("SELECT result FROM pin_nightly.run_log WHERE status = 'success'")
     assert result["scores_as_of_date"] == (d + timedelta(days=1)).isoformat(), result
     assert all(db.score(c) > 0 for c in cards)
@@ -443,6 +456,9 @@ def test_a_full_sweep_whose_posts_all_fail_is_not_the_job_s_work_done(news_db):
     d = db.today() - timedelta(days=2)
     r = run_dag(NEWS, conf, logical_date=night(d))
     assert r["tasks"]["summarize"] == "failed", r
+    assert r["note"] == (
+        "failed before its summary (failed tasks: publish, summarize): see the runbook"
+    ), r["note"]
     assert db.one("SELECT status FROM pin_nightly.run_log").startswith("failed: 12 of 12 rows")
     completed = sql("common/sweeps_last_completed")
     job = {"job": "news-comment-reconcile"}
@@ -451,6 +467,22 @@ def test_a_full_sweep_whose_posts_all_fail_is_not_the_job_s_work_done(news_db):
     assert_ok(run_dag(NEWS, conf, logical_date=night(d + timedelta(days=1))))
     assert [f for f, _ in db.conn.execute(completed, job).fetchall()] == ["FullSweep"]
     assert db.drifted_posts() == 0 and len(ids) == 12
+
+
+def _a_persons_note_is_kept(dag_id: str, run_id: str) -> None:
+    """A note a person wrote on the run stays when the run ends again (a clear)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    from pin_nightly import notes
+
+    with create_session() as session:
+        dr = session.query(DagRun).filter_by(dag_id=dag_id, run_id=run_id).one()
+        dr.dag_run_note.content, dr.dag_run_note.user_id = "investigating: Anna", "anna"
+        notes.on_dag_run_success(dag_run=dr, msg="success")
+    with create_session() as session:
+        dr = session.query(DagRun).filter_by(dag_id=dag_id, run_id=run_id).one()
+        assert dr.note == "investigating: Anna"
 
 
 # --- job-owned tables stay bounded ------------------------------------------------------------

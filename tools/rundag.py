@@ -223,8 +223,8 @@ def clear_and_resume(
 
 
 def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
-    """Run id, logical date, run-after instant, state, task states and the summary XCom of a
-    run."""
+    """Run id, logical date, run-after instant, state, task states, the summary XCom and the
+    note of a run."""
     from airflow.models.dagrun import DagRun
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
@@ -247,6 +247,7 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
             "state": str(dr.state),
             "tasks": tis,
             "summary": XComModel.deserialize_value(row) if row else None,
+            "note": dr.note,
         }
 
 

@@ -112,6 +112,9 @@ JOB = Popularity(
         ("pin_nightly.popularity_skipped_card", "schema/pin_nightly"),
         ("catalog.popularity_daily_views", "schema/catalog_popularity"),
     ],
+    headline="%(as_of_date)s, %(property_object_cards_updated)s property-object and "
+    "%(project_cards_updated)s project cards updated, %(item_errors)s failed, scores as of "
+    "%(scores_as_of_date)s",
     completed="run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
     "ProjectCardsUpdated=%(project_cards_updated)s "
     "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "

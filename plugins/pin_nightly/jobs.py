@@ -57,6 +57,7 @@ class Job:
         ("item_error_retention_days", "common/prune_item_errors"),
     )
     completed: str = "job completed: %(status)s"  # the summary's log line (of the result)
+    headline: str = ""  # what the run did, in the DAG run's note (of the result)
 
     @property
     def lock_key(self) -> str:

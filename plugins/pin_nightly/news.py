@@ -111,6 +111,8 @@ JOB = News(
         ("news.comments", "(updated_at)", "ix_comments_updated_at"),
     ],
     history=(*jobs.Job.history, ("drift_retention_days", "news/prune_drift")),
+    headline="%(scope)s, %(posts_reconciled)s posts checked, %(drift_corrected)s corrected, "
+    "%(item_errors)s failed",
     completed="job completed: posts_reconciled=%(posts_reconciled)s "
     "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
     "batches=%(batches_processed)s "
