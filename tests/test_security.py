@@ -250,7 +250,7 @@ def test_missing_job_tables_are_reported_not_created_by_the_job_role(news_job, c
     text = out.out + out.err + caplog.text
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
     assert (
-        "job-owned tables are missing or out of date (pin_nightly.popularity_skipped_card does not "
+        "job-owned tables are missing or out of date (pin_nightly.item_error_item does not "
         "exist) and this role may not change them: a DBA applies "
         "include/sql/schema/pin_nightly.sql"
     ) in text
@@ -308,10 +308,11 @@ def test_no_credentials_in_the_repository():
 
 SQL_DIRS = ("news", "catalog", "common")
 # Text placeholders substituted on the Python side, and what may be substituted: table names
-# from the constant catalog.KINDS, keyset source queries read from include/sql, the uuid v7
-# expression of include/sql/common/uuid7_now.sql; and fragments ``{<directory>/<name>}``, SQL of
-# include/sql itself that pin_nightly.db.sql puts in place (it must exist).
-TEXT_PLACEHOLDERS = {"{cards}", "{source}", "{uuid7_now}"}
+# from the constant catalog.KINDS and the workers' constant ``writes`` (``{item_table}``),
+# keyset source queries read from include/sql, the uuid v7 expression of
+# include/sql/common/uuid7_now.sql; and fragments ``{<directory>/<name>}``, SQL of include/sql
+# itself that pin_nightly.db.sql puts in place (it must exist).
+TEXT_PLACEHOLDERS = {"{cards}", "{item_table}", "{source}", "{uuid7_now}"}
 FRAGMENT = re.compile(r"\{(\w+/\w+)\}")
 
 
@@ -364,7 +365,12 @@ def test_job_sql_uses_bound_parameters_only():
     # every text placeholder is one of the reviewed ones, in the files that expect it
     for f in files:
         for ph in set(re.findall(r"\{\w+\}", f.read_text())):
-            reviewed = {("{cards}", "catalog"), ("{source}", "common"), ("{uuid7_now}", "catalog")}
+            reviewed = {
+                ("{cards}", "catalog"),
+                ("{item_table}", "common"),
+                ("{source}", "common"),
+                ("{uuid7_now}", "catalog"),
+            }
             assert (ph, f.parent.name) in reviewed, (
                 f.name,
                 ph,

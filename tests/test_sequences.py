@@ -356,29 +356,43 @@ def test_a_run_with_another_formula_never_adopts_the_nightly_pass_of_its_date(ca
 def test_a_post_that_cannot_be_written_is_isolated_and_every_night_stays_green(news_db):
     """A domain trigger rejects the update of one drifted post. The batch writes the others,
     the post is recorded with its error in pin_nightly.item_error and counted in item_errors,
-    and the run ends green; the next night tries it again (and records it again) instead of
-    failing after its own work."""
+    and the run ends green. The next nights hold it back while its row is unchanged (counted,
+    tried once with the other held rows, not recorded again); a change of its row, or
+    retry_failed_rows, has it tried and recorded again; once the rule is gone it is written."""
     db = news_db
     ids = db.posts(12, drift_every=1)
     bad = ids[4]
     db.fail_updates_of(bad, errcode="raise_exception")
     conf = {"scope": "FullSweep", "batch_size": 5, "max_ranges": 1}
-    d = db.today() - timedelta(days=2)
-    for k in (0, 1):
-        s = assert_ok(run_dag(NEWS, conf, logical_date=night(d + timedelta(days=k))))
-        assert s["status"] == "success" and s["item_errors"] == 1, s
-        assert s["drift_corrected"] == (11 if k == 0 else 0)
-        assert db.drifted_posts() == 1 and db.count(bad) == 5
-    assert (
-        db.q(
-            "SELECT item_id::text, sqlstate, message FROM pin_nightly.item_error "
-            "ORDER BY recorded_at"
-        )
-        == [(bad, "P0001", "rejected (simulated)")] * 2
-    )
+    d = db.today() - timedelta(days=5)
+
+    def night_run(k: int, **extra) -> dict:
+        s = assert_ok(run_dag(NEWS, {**conf, **extra}, logical_date=night(d + timedelta(days=k))))
+        assert s["status"] == "success", s
+        return s
+
+    def records() -> int:
+        return db.one("SELECT count(*) FROM pin_nightly.item_error WHERE item_id = %s", bad)
+
+    s = night_run(0)
+    assert s["item_errors"] == 1 and s["drift_corrected"] == 11, s
+    assert db.q("SELECT item_id::text, sqlstate, message FROM pin_nightly.item_error") == [
+        (bad, "P0001", "rejected (simulated)")
+    ]
+    s = night_run(1)  # held back: counted, not recorded again
+    assert (s["item_errors"], s["drift_corrected"], records()) == (1, 0, 1), s
+    assert db.drifted_posts() == 1 and db.count(bad) == 5
+    db.q("ALTER TABLE news.posts DISABLE TRIGGER fail_one")  # the platform changes the row
+    db.q("UPDATE news.posts SET updated_at = now() WHERE id = %s", bad)
+    db.q("ALTER TABLE news.posts ENABLE TRIGGER fail_one")
+    s = night_run(2)  # its row changed: tried and recorded again
+    assert (s["item_errors"], records()) == (1, 2), s
+    s = night_run(3, retry_failed_rows=True)  # unchanged, but asked for
+    assert (s["item_errors"], records()) == (1, 3), s
     db.allow_updates()
-    s = assert_ok(run_dag(NEWS, conf, logical_date=night(d + timedelta(days=2))))
-    assert s["item_errors"] == 0 and s["drift_corrected"] == 1 and db.drifted_posts() == 0
+    s = night_run(4)  # held back, tried with the others held: the rule is gone, written
+    assert (s["item_errors"], s["drift_corrected"], records()) == (0, 1, 3), s
+    assert db.drifted_posts() == 0
 
 
 def test_a_card_that_cannot_be_written_is_isolated_and_the_run_stays_green(

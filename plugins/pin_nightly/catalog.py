@@ -109,7 +109,7 @@ JOB = Popularity(
     conn_id="catalog_db",
     domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
     owned_ddl=[
-        ("pin_nightly.popularity_skipped_card", "schema/pin_nightly"),
+        jobs.STATE_DDL,
         ("catalog.popularity_daily_views", "schema/catalog_popularity"),
     ],
     headline="%(as_of_date)s, %(property_object_cards_updated)s property-object and "
@@ -364,6 +364,10 @@ class Recompute(ranges.Worker):
     @property
     def item_kind(self) -> str:
         return self.kind
+
+    @property
+    def targeted(self) -> bool:
+        return bool(self.opts["card_ids"])
 
     @property
     def source(self) -> dict[str, Any]:

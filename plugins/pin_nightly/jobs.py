@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
 
 
+# The job-state tables (include/sql/schema/pin_nightly.sql) and the relation its last statement
+# creates: a schema without it is older, and brought up to date (pin_nightly.db.ensure_schema).
+STATE_DDL = ("pin_nightly.item_error_item", "schema/pin_nightly")
+
+
 @dataclass(frozen=True)
 class Job:
     """A job: its identity and tables as fields, and its part of a run as a few methods that
@@ -174,6 +179,13 @@ def common_params(
             description=ids_description,
         ),
         "dry_run": Param(False, type="boolean", description=dry_run_description),
+        "retry_failed_rows": Param(
+            False,
+            type="boolean",
+            description="Try again the rows that failed before and are unchanged since "
+            "(pin_nightly.item_error): a run holds them back otherwise, until their row changes "
+            "(a targeted repair always tries its ids)",
+        ),
         "max_ranges": Param(
             8,
             type="integer",

@@ -105,7 +105,7 @@ JOB = News(
         "news.posts": ["id", "status", "comments_count", "updated_at"],
         "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
     },
-    owned_ddl=[("pin_nightly.popularity_skipped_card", "schema/pin_nightly")],
+    owned_ddl=[jobs.STATE_DDL],
     recommended_indexes=[
         ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
         ("news.comments", "(updated_at)", "ix_comments_updated_at"),
@@ -289,6 +289,10 @@ class Reconcile(ranges.Worker):
     dag_id = "news_comment_reconcile"
     job_code = "news-comment-reconcile"
     writes = ("news.posts",)  # the domain table its batches write (pacing watches its vacuum)
+
+    @property
+    def targeted(self) -> bool:
+        return self.opts["effective_scope"] == "Targeted"
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
         """Collect a DailyWindow's or a targeted repair's candidates; split the posts."""

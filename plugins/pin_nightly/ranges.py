@@ -59,9 +59,17 @@ class Worker:
 
     @property
     def record(self) -> dict[str, Any]:
-        """What an item error of its batches is recorded with (:func:`isolate_items`)."""
+        """What an item error of its batches is recorded with (:func:`isolate_items`): the
+        ids, the rows' kind and table (the first it ``writes``), and whether rows that failed
+        before are tried again."""
         ids = {"job": self.job_code, "run_id": self.run_id, "sweep_id": self.sweep_id}
-        return {**ids, "item_kind": self.item_kind}
+        retry = bool(self.opts.get("retry_failed_rows")) or self.targeted
+        return {**ids, "item_kind": self.item_kind, "table": self.writes[0], "retry": retry}
+
+    @property
+    def targeted(self) -> bool:
+        """Whether it works the ids a run was given (a targeted repair tries each of them)."""
+        return False
 
     @property
     def item_kind(self) -> str | None:
@@ -149,9 +157,63 @@ def isolate_items(
     """``apply(ids)`` in the batch's transaction, under a savepoint; when a row makes it fail
     (an item error), the ids are halved and each half applied the same way, down to the rows
     that fail alone (about 2 k log n statements for k bad rows among n, not n). Those are
-    recorded in ``pin_nightly.item_error`` (``record``: job, run_id, sweep_id) and logged as
-    ``item failed``. Returns what ``apply`` returned for the rows written, and the ids that
-    failed. Every savepoint is released, rolled back or not (no subtransactions pile up)."""
+    recorded in ``pin_nightly.item_error`` (``record``: job, run_id, sweep_id, the rows' kind
+    and table) with their row's version, and logged as ``item failed``. The rows recorded
+    before and unchanged since are held back from that (``record["retry"]``: not) and tried
+    together, once (:func:`_try_held`). Returns what ``apply`` returned for the rows written,
+    and the ids that failed. Every savepoint is released, rolled back or not (no
+    subtransactions pile up)."""
+    held = [] if record["retry"] else _held_back(cur, record, ids)
+    fresh = [i for i in ids if i not in set(held)]
+    out, failed = _isolate(cur, fresh, apply, record, item) if fresh else ([], [])
+    if held:
+        wrote, still = _try_held(cur, held, apply)
+        out, failed = out + wrote, failed + still
+    return out, failed
+
+
+def _try_held(cur, held: list[str], apply) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows held back, tried together in one statement: written once whatever rejected
+    them is gone; otherwise all still failing, without a statement a row or a new record."""
+    cur.execute(sql("common/savepoint_item"))
+    try:
+        out = apply(held)
+    except Exception as exc:
+        if not is_item_error(exc):
+            raise
+        cur.execute(sql("common/rollback_to_item"))
+        cur.execute(sql("common/release_item"))
+        shown = " ".join(held[:20]) + (" ..." if len(held) > 20 else "")
+        log.warning(
+            "%d row(s) that failed before and are unchanged since still fail (%s); not tried "
+            "one by one (pin_nightly.item_error; retry_failed_rows does): %s",
+            len(held),
+            _first_line(exc),
+            shown,
+        )
+        return [], held
+    cur.execute(sql("common/release_item"))
+    log.info("%d row(s) that failed before were written", len(held))
+    return out, []
+
+
+def _held_back(cur, record: dict[str, Any], ids: list[str]) -> list[str]:
+    cur.execute(table_sql("common/items_held", record["table"]), {**record, "ids": ids})
+    return [r[0] for r in cur.fetchall()]
+
+
+def table_sql(name: str, table: str) -> str:
+    """Statement ``name`` about the rows of ``table`` (a job's own table name, never input)."""
+    return sql(name).replace("{item_table}", table)
+
+
+def _isolate(
+    cur,
+    ids: list[str],
+    apply: Callable[[list[str]], list[dict[str, Any]]],
+    record: dict[str, Any],
+    item: str,
+) -> tuple[list[dict[str, Any]], list[str]]:
     cur.execute(sql("common/savepoint_item"))
     try:
         out = apply(ids)
@@ -165,21 +227,25 @@ def isolate_items(
             return [], list(ids)
         log.warning("%d rows failed on a row (%s): isolating it by halves", len(ids), exc)
         half = len(ids) // 2
-        first, failed = isolate_items(cur, ids[:half], apply, record, item)
-        second, more = isolate_items(cur, ids[half:], apply, record, item)
+        first, failed = _isolate(cur, ids[:half], apply, record, item)
+        second, more = _isolate(cur, ids[half:], apply, record, item)
         return first + second, failed + more
     cur.execute(sql("common/release_item"))
     return out, []
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+
+
 def _record_item_error(cur, record: dict[str, Any], item: str, item_id: str, exc) -> None:
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    message = _first_line(exc)
     state = sqlstate(exc)
     kind = record.get("item_kind")  # card_id: card_kind=<kind> first, as the spec names them
     about = f"{item.rsplit('_', 1)[0]}_kind={kind} " if kind else ""
     log.error("item failed: %s%s=%s sqlstate=%s: %s", about, item, item_id, state, message)
     error = {"item_id": item_id, "sqlstate": state, "message": message}
-    cur.execute(sql("common/item_error_record"), {**record, **error})
+    cur.execute(table_sql("common/item_error_record", record["table"]), {**record, **error})
 
 
 class StopSignal:

@@ -77,6 +77,21 @@ ROLLBACK TO SAVEPOINT pin_item
 RELEASE SAVEPOINT pin_item
 
 -- name: item_error_record
-INSERT INTO pin_nightly.item_error (job, run_id, sweep_id, item_kind, item_id, sqlstate, message)
-VALUES (%(job)s, %(run_id)s, %(sweep_id)s, %(item_kind)s, %(item_id)s::uuid, %(sqlstate)s,
-        %(message)s)
+-- A row a batch could not write, with its row's version ({item_table}: the job's table of it) as it
+-- stands after the failed write was rolled back: the row is held back until it changes.
+INSERT INTO pin_nightly.item_error
+       (job, run_id, sweep_id, item_kind, item_id, sqlstate, message, row_version)
+SELECT %(job)s, %(run_id)s, %(sweep_id)s, %(item_kind)s, %(item_id)s::uuid, %(sqlstate)s,
+       %(message)s, (SELECT t.xmin::text FROM {item_table} t WHERE t.id = %(item_id)s::uuid)
+
+-- name: items_held
+-- The rows among ids whose newest item error recorded the version their row still has: they
+-- failed before and nothing changed them since (a row's xmin changes with every update).
+SELECT e.item_id::text
+  FROM (SELECT DISTINCT ON (item_id) item_id, row_version
+          FROM pin_nightly.item_error
+         WHERE job = %(job)s AND item_id = ANY(%(ids)s::uuid[])
+           AND item_kind IS NOT DISTINCT FROM %(item_kind)s
+         ORDER BY item_id, recorded_at DESC) e
+  JOIN {item_table} t ON t.id = e.item_id AND t.xmin::text = e.row_version
+ ORDER BY e.item_id

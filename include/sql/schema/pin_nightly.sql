@@ -85,13 +85,15 @@ CREATE TABLE IF NOT EXISTS pin_nightly.item_error (
 CREATE INDEX IF NOT EXISTS item_error_recorded ON pin_nightly.item_error (job, recorded_at);
 -- the row's kind where a job has several (catalog: the spec's CardKind), else null
 ALTER TABLE pin_nightly.item_error ADD COLUMN IF NOT EXISTS item_kind text;
+-- the row's xmin after its failed write: the next runs hold the row back while it is unchanged
+ALTER TABLE pin_nightly.item_error ADD COLUMN IF NOT EXISTS row_version text;
 
 -- A range may start inside itself (a sweep that resumes where the previous night's stopped):
 -- it works (wrap_at, upper_id], then wraps (wrapped) to (lower_id, wrap_at].
 ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS wrap_at uuid;
 ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS wrapped boolean NOT NULL DEFAULT false;
 
--- the jobs probe for this index (pin_nightly.jobs): a schema without it is brought up to date
+-- the open sweeps of an owner (the planner looks them up)
 CREATE INDEX IF NOT EXISTS sweep_open_owner
     ON pin_nightly.sweep (job, owner) WHERE status = 'open';
 
@@ -181,3 +183,8 @@ CREATE TABLE IF NOT EXISTS pin_nightly.run_signal (
 CREATE INDEX IF NOT EXISTS run_signal_through ON pin_nightly.run_signal (job, drift_through);
 -- the summaries count the corrections recorded since the previous one
 CREATE INDEX IF NOT EXISTS news_drift_recorded ON pin_nightly.news_drift (recorded_at);
+
+-- The last statement of this file: the jobs probe for this index (pin_nightly.jobs.STATE_DDL),
+-- and a schema without it is brought up to date by running the whole file again. A release
+-- that adds to the file moves the probe to what it adds last.
+CREATE INDEX IF NOT EXISTS item_error_item ON pin_nightly.item_error (job, item_id);
