@@ -173,6 +173,44 @@ def test_the_console_reads_on_a_read_only_session_and_prefers_the_readonly_conne
     assert news_db.one("SELECT count(*) FROM pin_nightly.run_log") == 1
 
 
+@pytest.mark.xdist_group("roles")  # the group roles are cluster-wide (see test_security)
+def test_the_console_reader_role_reads_the_job_state_and_nothing_else(api, news_db, monkeypatch):
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from tests.conftest import SUFFIX
+    from tools.devenv import admin_dsn, run_sql_file
+
+    assert_ok(run_dag(NEWS, {"scope": "FullSweep"}))
+    run_sql_file(news_db.dsn, "schema/roles.sql")  # as a DBA applies it after the job's tables
+    login = "pin_console_login" + re.sub(r"\W", "_", SUFFIX).lower()
+    with psycopg.connect(admin_dsn(), autocommit=True) as admin:
+        admin.execute(f'DROP ROLE IF EXISTS "{login}"')
+        admin.execute(f'CREATE ROLE "{login}" LOGIN IN ROLE pin_console_reader')
+    try:
+        dsn = make_conninfo(news_db.dsn, user=login)
+        monkeypatch.setenv("AIRFLOW_CONN_NEWS_DB_READONLY", _conn_json(dsn))
+        news = jobs(api)[NEWS]
+        assert (news["state"], news["conn_id"], len(news["nights"])) == (
+            "ok",
+            "news_db_readonly",
+            1,
+        )
+        with psycopg.connect(dsn) as conn:
+            for statement in (
+                "DELETE FROM pin_nightly.run_log",
+                "UPDATE pin_nightly.job_lease SET holder = 'x'",
+                "SELECT count(*) FROM news.posts",
+                "SELECT count(*) FROM pin_nightly.news_drift",
+            ):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(statement)
+                conn.rollback()
+    finally:
+        with psycopg.connect(admin_dsn(), autocommit=True) as admin:
+            admin.execute(f'DROP ROLE IF EXISTS "{login}"')
+
+
 def _conn_json(dsn: str, **override) -> str:
     from tools import devenv
 
