@@ -110,6 +110,8 @@ def test_a_news_run_shows_its_open_sweep_nights_and_item_errors_with_a_repair(ap
     assert news["lease"] is None  # released by the run
     signals = {g["signal"]: g for g in news["signals"]}
     assert signals["replica_lag_seconds"]["limit"] == 30 and signals["vacuum"]["value"] is False
+    assert signals["replica_lag_seconds"]["about"] == "no streaming replica"  # none here
+    assert signals["wal_mb_per_second"]["value"] is None  # a running range measures it
     assert not any(g["over"] for g in signals.values())
 
     page = api.get("/pin-nightly/", headers=api.token(*ADMIN))

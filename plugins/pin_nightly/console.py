@@ -280,25 +280,35 @@ def repair(job: ConsoleJob, ids: list[str]) -> dict[str, Any] | None:
 
 
 def pacing(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each pacing signal now against its default limit, as ``health/signals`` reads it; the
-    WAL rate and the lock waiters are measured by a running range only."""
+    """Each pacing signal now against its default limit, as ``health/signals`` reads it (a
+    value of None says why in ``about``); the WAL rate and the lock waiters are measured by a
+    running range only."""
+    blind = "not readable: the console's role lacks pg_read_all_stats"
+    stats = bool(row["can_read_stats"])
     lag = row["replica_lag_bytes"]
+    no_replica = "no streaming replica" if stats else blind
     now = {
-        "replica_lag_seconds": (row["replica_lag_seconds"], row["replica_lag_seconds_of"]),
-        "replica_lag_mb": (None if lag is None else round(lag / health.MB, 2), None),
-        "vacuum": (bool(row["vacuum"]), row["vacuum"]),
-        "archive_backlog_segments": (row["archive_backlog"], None),
+        "replica_lag_seconds": (
+            row["replica_lag_seconds"],
+            row["replica_lag_seconds_of"] if lag is not None else no_replica,
+        ),
+        "replica_lag_mb": (
+            None if lag is None else round(lag / health.MB, 2),
+            row["replica_lag_bytes_of"] if lag is not None else no_replica,
+        ),
+        "vacuum": (bool(row["vacuum"]), row["vacuum"] or (None if stats else blind)),
+        "archive_backlog_segments": (
+            row["archive_backlog"],
+            None if row["archive_backlog"] is not None else "archive_mode off, or none archived",
+        ),
     }
     out = []
     for lim in health.LIMITS:
         value, about = now.get(lim.signal, (None, "measured by a running range only"))
-        if lim.signal == "replica_lag_mb" and value is not None:
-            about = row["replica_lag_bytes_of"]
-        off = not lim.default
         over = (
-            not off
+            bool(lim.default)
             and value is not None
-            and (bool(value) if isinstance(value, bool) else value > lim.default)
+            and (value if isinstance(value, bool) else value > lim.default)
         )
         out.append(
             {
@@ -307,7 +317,7 @@ def pacing(row: dict[str, Any]) -> list[dict[str, Any]]:
                 "limit": lim.default,
                 "value": value,
                 "about": about,
-                "over": over,
+                "over": bool(over),
             }
         )
     return out
@@ -431,12 +441,20 @@ def figure_html(state: dict[str, Any]) -> str:
 
 
 def _signal_value(s: dict[str, Any]) -> str:
-    if s["signal"] == "vacuum":
-        return f"running: {_e(s['about'])}" if s["value"] else "none"
-    if s["value"] is None:
-        return f"<span class='muted'>{_e(s['about'] or 'not readable')}</span>"
+    if s["signal"] == "vacuum" and s["value"]:
+        return f"running: {_e(s['about'])}"
+    if s["signal"] == "vacuum" and not s["about"]:
+        return "none"
+    if s["value"] is None or s["signal"] == "vacuum":
+        return f"<span class='muted'>{_e(s['about'])}</span>"
     about = f" ({_e(s['about'])})" if s["about"] else ""
     return f"{_e(s['value'])}{about}"
+
+
+def _limit(s: dict[str, Any]) -> str:
+    limit = s["limit"]
+    shown = ("on" if limit else "off") if isinstance(limit, bool) else _e(limit)
+    return f"{shown} <span class='muted'>({_e(s['param'])})</span>"
 
 
 def job_html(state: dict[str, Any]) -> str:
@@ -463,7 +481,7 @@ def job_html(state: dict[str, Any]) -> str:
         [
             f"<code>{_e(s['signal'])}</code>",
             _signal_value(s),
-            _e(s["limit"]) + f" <span class='muted'>({_e(s['param'])})</span>",
+            _limit(s),
             "<b class='over'>over</b>" if s["over"] else "ok",
         ]
         for s in state["signals"]
@@ -471,11 +489,10 @@ def job_html(state: dict[str, Any]) -> str:
     parts.append("<h3>Pacing signals now</h3>" + _table(["signal", "now", "limit", ""], rows))
     if state.get("signals_error"):
         parts.append(f"<p class='muted'>Not readable here: {_e(state['signals_error'])}</p>")
-    elif not state["can_read_stats"]:
-        parts.append(
-            "<p class='muted'>The console's role lacks pg_read_all_stats: replica lag and "
-            "VACUUM progress read empty.</p>"
-        )
+    parts.append(
+        "<p class='muted'>Limits are the DAG params' defaults; a run given others paces on "
+        "those.</p>"
+    )
     parts.append(f"<h3>Open sweeps ({len(state['sweeps'])})</h3>")
     if not state["sweeps"]:
         parts.append("<p class='muted'>None: every sweep is done.</p>")
