@@ -111,7 +111,11 @@ def connect(conn_id: str, prepare=None):
             f"cannot connect to the database of Airflow connection {conn_id!r}: {str(exc).strip()}"
         ) from exc
     conn.autocommit = False
-    (prepare or bound_session)(conn)
+    try:
+        (prepare or bound_session)(conn)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
