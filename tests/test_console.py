@@ -232,6 +232,10 @@ def test_an_unreachable_job_database_gives_a_clear_message(api, news_db, monkeyp
 
 
 def test_an_older_schema_gives_a_clear_message(api, news_db):
+    # before the job's first run (or the DBA's DDL) there is no job state at all
+    news_db.q("DROP SCHEMA IF EXISTS pin_nightly CASCADE")
+    news = jobs(api)[NEWS]
+    assert news["state"] == "schema" and "table pin_nightly.run_log" in news["message"]
     assert_ok(run_dag(NEWS, {"scope": "FullSweep"}))
     # the job-owned tables as a release before the item kind and the range owners left them
     news_db.q("ALTER TABLE pin_nightly.item_error DROP COLUMN item_kind")
