@@ -460,8 +460,8 @@ def _limit(s: dict[str, Any]) -> str:
 def job_html(state: dict[str, Any]) -> str:
     dag_id = state["dag_id"]
     head = (
-        f"<section class='job' id='{_e(dag_id)}'><h2><a href='/dags/{_e(dag_id)}' "
-        f"target='_top'>{_e(dag_id)}</a></h2><p class='muted'>connection "
+        f"<section class='job' id='{_e(dag_id)}'><h2><a href='/dags/{_e(dag_id)}'>"
+        f"{_e(dag_id)}</a></h2><p class='muted'>connection "
         f"<code>{_e(state['conn_id'])}</code>, read-only session</p>"
     )
     if state["state"] != "ok":
@@ -539,7 +539,7 @@ def job_html(state: dict[str, Any]) -> str:
         ]
         parts.append(_table(["row", "error", "recorded", "run"], rows, "errors"))
         parts.append(
-            f"<p class='repair'><a href='{_e(fix['dag_url'])}' target='_top'>Targeted repair: "
+            f"<p class='repair'><a href='{_e(fix['dag_url'])}'>Targeted repair: "
             f"open {_e(dag_id)} and Trigger</a> with this configuration (Advanced options, "
             f"Configuration JSON):</p><pre class='conf'>{_e(conf)}</pre>"
         )
