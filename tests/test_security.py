@@ -306,7 +306,7 @@ def test_no_credentials_in_the_repository():
 
 # --- SQL: bound parameters only -----------------------------------------------------------------
 
-SQL_DIRS = ("news", "catalog", "common")
+SQL_DIRS = ("news", "catalog", "common", "console")
 # Text placeholders substituted on the Python side, and what may be substituted: table names
 # from the constant catalog.KINDS and the workers' constant ``writes`` (``{item_table}``),
 # keyset source queries read from include/sql, the uuid v7 expression of

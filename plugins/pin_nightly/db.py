@@ -92,8 +92,9 @@ def resolve(conn_id: str):
 CONNECT_TIMEOUT_S = 5
 
 
-def connect(conn_id: str):
-    """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off.
+def connect(conn_id: str, prepare=None):
+    """A new DB-API connection (psycopg 3 or psycopg2, as the hook chooses), autocommit off,
+    its session prepared by ``prepare(conn)`` (default :func:`bound_session`, a job's).
 
     A missing Airflow connection raises :class:`JobConfigError` (not retried); an unreachable
     server raises :class:`DatabaseUnavailable` (retried). Both name the connection, and both
@@ -110,7 +111,11 @@ def connect(conn_id: str):
             f"cannot connect to the database of Airflow connection {conn_id!r}: {str(exc).strip()}"
         ) from exc
     conn.autocommit = False
-    bound_session(conn)
+    try:
+        (prepare or bound_session)(conn)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

@@ -128,6 +128,32 @@ BEGIN
 END
 $grants$;
 
+-- The console's reader (docs/operations.md, "The console"): pin_console_reader, a NOLOGIN group
+-- role that may read the job state the console shows and nothing else. The DBA creates a login
+-- user in it, as for the jobs above, and puts it into the Airflow connection <conn>_readonly
+-- (news_db_readonly, catalog_db_readonly), which the console then uses instead of the job's own.
+-- The console sets its sessions read-only besides; recommended on that login user too:
+--   ALTER ROLE pin_console_login SET default_transaction_read_only = on;
+DO $console$
+BEGIN
+    IF to_regclass('pin_nightly.run_log') IS NULL THEN
+        RETURN;  -- no job state in this database
+    END IF;
+    BEGIN
+        CREATE ROLE pin_console_reader NOLOGIN;
+    EXCEPTION WHEN duplicate_object OR unique_violation THEN
+        NULL;
+    END;
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO pin_console_reader', current_database());
+    REVOKE ALL ON ALL TABLES IN SCHEMA pin_nightly FROM pin_console_reader;
+    REVOKE ALL ON ALL SEQUENCES IN SCHEMA pin_nightly FROM pin_console_reader;
+    REVOKE ALL ON SCHEMA pin_nightly FROM pin_console_reader;
+    GRANT USAGE ON SCHEMA pin_nightly TO pin_console_reader;
+    GRANT SELECT ON pin_nightly.job_lease, pin_nightly.sweep, pin_nightly.sweep_range,
+                    pin_nightly.run_log, pin_nightly.item_error TO pin_console_reader;
+END
+$console$;
+
 -- Pacing on the database's health (docs/operations.md): the jobs read replica lag (pg_stat_replication)
 -- and VACUUM progress (pg_stat_progress_vacuum) of sessions that are not theirs, which only
 -- members of pg_read_all_stats see (it reveals statistics and the queries of other sessions,
@@ -141,6 +167,18 @@ EXCEPTION WHEN insufficient_privilege THEN
                   'pacing cannot see replica lag or VACUUM progress (a superuser grants it)';
 END
 $pacing$;
+
+-- The console shows the same signals: its reader sees them with the same membership.
+DO $console_stats$
+BEGIN
+    IF to_regrole('pin_console_reader') IS NOT NULL THEN
+        GRANT pg_read_all_stats TO pin_console_reader;
+    END IF;
+EXCEPTION WHEN insufficient_privilege THEN
+    RAISE WARNING 'pin_console_reader is not a member of pg_read_all_stats: the console shows '
+                  'no replica lag or VACUUM progress (a superuser grants it)';
+END
+$console_stats$;
 
 -- Optional, PostgreSQL 15+ (a superuser grants it): let the jobs' sessions compress the
 -- full-page images of the WAL they write. Where the role may, every session of a job sets

@@ -1,0 +1,613 @@
+"""The read-only console: a page of the Airflow UI (``plugins/pin_nightly_plugin.py``
+registers it) that shows each job's state as its database holds it.
+
+Per job: the open sweeps and their ranges (share of the keyset done, rows a second, time left
+at that rate), the last nights from the run log (work done, errors, duration against the
+budget), the item errors still open with the conf of a targeted repair, the lease and the
+pacing signals now against their limits. It reads through a session set read-only
+(``default_transaction_read_only``), on the Airflow connection ``<conn_id>_readonly`` where one
+is defined, else the job's own. The API server serves it; only the DAGs the auth manager lets
+the user read are shown (docs/operations.md, "The console").
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations, and
+# their types are imported inside create_app (the plugin loads in every Airflow process).
+import functools
+import html
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pin_nightly import health, sweeps
+from pin_nightly.db import (
+    DatabaseUnavailable,
+    JobConfigError,
+    connect,
+    fetch_dicts,
+    fetch_one_dict,
+    resolve,
+    sql,
+    sqlstate,
+    transaction,
+)
+
+log = logging.getLogger(__name__)
+
+NIGHTS = 30  # days of run log the page plots
+ERRORS_SHOWN = 200  # open item errors listed per job at most
+STATEMENT_TIMEOUT = "10s"  # the console's statements are small; none may weigh on the server
+READONLY_SUFFIX = "_readonly"
+URL_PREFIX = "/pin-nightly"  # where the API server mounts the console's app
+
+# The job-owned columns the console reads: a database without one of them has an older schema
+# than this release (include/sql/schema/pin_nightly.sql brings it up to date).
+EXPECTED_COLUMNS = {
+    "job_lease": ("lock_key", "holder", "acquired_at", "expires_at", "run_deadline_at"),
+    "sweep": ("sweep_id", "job", "scope", "family", "resumable", "status", "run_id", "owner")
+    + ("started_at",),
+    "sweep_range": ("sweep_id", "range_no", "lower_id", "upper_id", "planned_rows", "cursor_id")
+    + ("status", "owner", "rows_processed", "rows_changed", "batches", "skipped_locked")
+    + ("item_errors", "wrapped", "updated_at"),
+    "item_error": ("job", "run_id", "sweep_id", "item_id", "sqlstate", "message", "item_kind")
+    + ("recorded_at",),
+    "run_log": ("job", "run_id", "status", "result", "started_at", "finished_at"),
+}
+
+
+class SchemaOutdated(RuntimeError):
+    """The job database lacks a table or column the console reads."""
+
+
+@dataclass(frozen=True)
+class ConsoleJob:
+    """What the console needs of a job."""
+
+    dag_id: str
+    code: str  # pin_nightly.* rows carry it in their job column
+    conn_id: str
+    lock_key: str
+    work_label: str  # what a night's work is, e.g. "corrections"
+    work: Callable[[dict[str, Any]], int]  # that number, from a run's result
+    ids_param: str  # the param of a targeted repair
+    whole_family: str | None  # the family whose done sweep covers every row (None: the row's kind)
+    writes: tuple[str, ...]  # the tables its batches write (the vacuum signal)
+    budget_minutes: float  # the DAG's default time budget
+
+
+@functools.cache
+def jobs() -> tuple[ConsoleJob, ...]:
+    from pin_nightly import catalog, news
+
+    return (
+        ConsoleJob(
+            news.JOB.dag_id,
+            news.JOB.code,
+            news.JOB.conn_id,
+            news.JOB.lock_key,
+            "corrections",
+            lambda r: int(r.get("drift_corrected") or 0),
+            "post_ids",
+            "FullSweep",
+            ("news.posts",),
+            float(news.DEFAULTS["max_run_duration_minutes"]),
+        ),
+        ConsoleJob(
+            catalog.JOB.dag_id,
+            catalog.JOB.code,
+            catalog.JOB.conn_id,
+            catalog.JOB.lock_key,
+            "cards updated",
+            lambda r: sum(int(r.get(f"{k.result}_updated") or 0) for k in catalog.CARD_KINDS),
+            "card_ids",
+            None,
+            tuple(k.table for k in catalog.CARD_KINDS),
+            float(catalog.DEFAULTS["max_run_duration_minutes"]),
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------- reading
+
+
+def readonly_session(conn) -> None:
+    """Make every transaction of the session read-only and bound its statements."""
+    with transaction(conn) as cur:
+        cur.execute(sql("console/session"), {"statement_timeout": STATEMENT_TIMEOUT})
+
+
+def console_conn_id(conn_id: str) -> str:
+    """``<conn_id>_readonly`` when that Airflow connection is defined, else ``conn_id``."""
+    try:
+        resolve(conn_id + READONLY_SUFFIX)
+    except JobConfigError:
+        return conn_id
+    return conn_id + READONLY_SUFFIX
+
+
+def check_schema(cur) -> None:
+    """:class:`SchemaOutdated` naming what is missing, when the job-owned tables are older
+    than the console (or not readable by its role)."""
+    cur.execute(sql("console/schema_columns"))
+    present: dict[str, set[str]] = {}
+    for table, column in cur.fetchall():
+        present.setdefault(table, set()).add(column)
+    missing = []
+    for table, columns in EXPECTED_COLUMNS.items():
+        if table not in present:
+            missing.append(f"table pin_nightly.{table}")
+            continue
+        missing += [f"column pin_nightly.{table}.{c}" for c in columns if c not in present[table]]
+    if missing:
+        raise SchemaOutdated(
+            "the job database's schema is older than this console expects (or not readable by "
+            f"its role): {', '.join(missing)} missing; a DBA applies "
+            "include/sql/schema/pin_nightly.sql, then include/sql/schema/roles.sql"
+        )
+
+
+def read_job(job: ConsoleJob, days: int = NIGHTS) -> dict[str, Any]:
+    """The job's state as its database holds it; ``state`` is ``ok``, or ``unreachable``,
+    ``schema`` or ``not_configured`` with a ``message`` saying why nothing else is there."""
+    out: dict[str, Any] = {"dag_id": job.dag_id, "job": job.code, "state": "ok", "message": None}
+    out.update(work_label=job.work_label, budget_minutes=job.budget_minutes)
+    conn_id = out["conn_id"] = console_conn_id(job.conn_id)
+    try:
+        conn = connect(conn_id, prepare=readonly_session)
+    except JobConfigError as exc:
+        return {**out, "state": "not_configured", "message": str(exc)}
+    except DatabaseUnavailable as exc:
+        return {**out, "state": "unreachable", "message": f"job database unreachable: {exc}"}
+    try:
+        with transaction(conn) as cur:
+            check_schema(cur)
+            out.update(_read(cur, job, days))
+        out.update(read_signals(conn, job))
+    except SchemaOutdated as exc:
+        return {**out, "state": "schema", "message": str(exc)}
+    except Exception as exc:
+        code = sqlstate(exc)
+        if code in ("42P01", "42703"):  # undefined table / column
+            return {**out, "state": "schema", "message": _schema_message(exc)}
+        if code is None and not _from_database(exc):
+            raise
+        log.warning("console: reading %s failed: %s", job.dag_id, exc)
+        return {**out, "state": "unreachable", "message": f"reading the job database failed: {exc}"}
+    finally:
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001, S110 - already broken
+            pass
+    return out
+
+
+def _schema_message(exc: BaseException) -> str:
+    return (
+        "the job database's schema is older than this console expects: "
+        f"{str(exc).strip().splitlines()[0]}; a DBA applies include/sql/schema/pin_nightly.sql"
+    )
+
+
+def _from_database(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0] in ("psycopg", "psycopg2")
+
+
+def _read(cur, job: ConsoleJob, days: int) -> dict[str, Any]:
+    params = {"job": job.code}
+    cur.execute(sql("console/open_sweeps"), params)
+    open_sweeps = [_progress(s) for s in fetch_dicts(cur)]
+    cur.execute(sql("console/open_ranges"), params)
+    ranges = fetch_dicts(cur)
+    for s in open_sweeps:
+        s["ranges"] = [
+            {**r, "label": sweeps.range_label({**r, "prefix": s["family"]})}
+            for r in ranges
+            if r["sweep_id"] == s["sweep_id"]
+        ]
+    cur.execute(sql("console/nights"), {**params, "days": days})
+    nights = [_night(job, n) for n in fetch_dicts(cur)]
+    cur.execute(
+        sql("console/open_item_errors"),
+        {**params, "whole_family": job.whole_family, "limit": ERRORS_SHOWN},
+    )
+    errors = fetch_dicts(cur)
+    cur.execute(sql("console/lease"), {"lock_key": job.lock_key})
+    lease = fetch_one_dict(cur)
+    return {
+        "sweeps": open_sweeps,
+        "nights": nights,
+        "item_errors": errors,
+        "repair": repair(job, [e["item_id"] for e in errors]),
+        "lease": lease,
+        "pauses": None,  # not recorded in the job database (the pauses metric counts them)
+    }
+
+
+def read_signals(conn, job: ConsoleJob) -> dict[str, Any]:
+    """The pacing signals now (``health/signals``), in a transaction of their own: a server
+    that cannot answer them (a replica behind ``<conn_id>_readonly``) leaves the rest shown."""
+    try:
+        with transaction(conn) as cur:
+            cur.execute(
+                sql("health/signals"),
+                {"tables": list(job.writes), "lock_key": "", "token": -1, "budget_share": 1.0},
+            )
+            row = fetch_one_dict(cur)
+    except Exception as exc:
+        if sqlstate(exc) is None and not _from_database(exc):
+            raise
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        return {"signals": [], "can_read_stats": False, "signals_error": first}
+    return {"signals": pacing(row), "can_read_stats": bool(row["can_read_stats"])}
+
+
+def _progress(s: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row with its share done, rate and time left at that rate."""
+    planned, done = s["planned_rows"], s["rows_done"]
+    s["share_done"] = round(done / planned, 4) if planned else (1.0 if s["ranges_done"] else 0.0)
+    seconds = None
+    if s["last_batch_at"] is not None and s["working_since"] is not None:
+        seconds = (s["last_batch_at"] - s["working_since"]).total_seconds()
+    rate = s["rows_now"] / seconds if seconds and seconds > 0 and s["rows_now"] else None
+    s["rows_per_second"] = round(rate, 1) if rate else None
+    left = max(planned - done, 0)
+    s["seconds_left"] = round(left / rate) if rate else (0 if left == 0 else None)
+    return s
+
+
+def _night(job: ConsoleJob, n: dict[str, Any]) -> dict[str, Any]:
+    result = n.pop("result") or {}
+    if isinstance(result, str):
+        result = json.loads(result)
+    return {
+        **n,
+        "dry_run": bool(result.get("dry_run")),
+        "scope": result.get("scope") or ("targeted" if result.get("targeted") else None),
+        "work": job.work(result),
+        "item_errors": int(result.get("item_errors") or 0),
+        "duration_minutes": round(int(result.get("duration_ms") or 0) / 60000, 2),
+    }
+
+
+def repair(job: ConsoleJob, ids: list[str]) -> dict[str, Any] | None:
+    """Where and what to trigger to repair ``ids``: the DAG's page (its Trigger button opens
+    the form) and the conf the form takes (Advanced options, Configuration JSON)."""
+    if not ids:
+        return None
+    return {"dag_url": f"/dags/{job.dag_id}", "conf": {job.ids_param: sorted(set(ids))}}
+
+
+def pacing(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each pacing signal now against its default limit, as ``health/signals`` reads it (a
+    value of None says why in ``about``); the WAL rate and the lock waiters are measured by a
+    running range only."""
+    blind = "not readable: the console's role lacks pg_read_all_stats"
+    stats = bool(row["can_read_stats"])
+    lag = row["replica_lag_bytes"]
+    no_replica = "no streaming replica" if stats else blind
+    now = {
+        "replica_lag_seconds": (
+            row["replica_lag_seconds"],
+            row["replica_lag_seconds_of"] if lag is not None else no_replica,
+        ),
+        "replica_lag_mb": (
+            None if lag is None else round(lag / health.MB, 2),
+            row["replica_lag_bytes_of"] if lag is not None else no_replica,
+        ),
+        "vacuum": (bool(row["vacuum"]), row["vacuum"] or (None if stats else blind)),
+        "archive_backlog_segments": (
+            row["archive_backlog"],
+            None if row["archive_backlog"] is not None else "archive_mode off, or none archived",
+        ),
+    }
+    out = []
+    for lim in health.LIMITS:
+        value, about = now.get(lim.signal, (None, "measured by a running range only"))
+        over = (
+            bool(lim.default)
+            and value is not None
+            and (value if isinstance(value, bool) else value > lim.default)
+        )
+        out.append(
+            {
+                "signal": lim.signal,
+                "param": lim.param,
+                "limit": lim.default,
+                "value": value,
+                "about": about,
+                "over": bool(over),
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------- access
+
+
+def _team(dag_id: str) -> str | None:
+    from airflow.configuration import conf
+
+    if not conf.getboolean("core", "multi_team", fallback=False):
+        return None
+    from airflow.models.dag import DagModel
+
+    return DagModel.get_team_name(dag_id)
+
+
+def readable(user) -> list[ConsoleJob]:
+    """The jobs whose DAG the auth manager lets ``user`` read."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    manager = get_auth_manager()
+    return [
+        j
+        for j in jobs()
+        if manager.is_authorized_dag(
+            method="GET", details=DagDetails(id=j.dag_id, team_name=_team(j.dag_id)), user=user
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------- the page
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _when(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return _e(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
+
+
+def _table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
+    th = "".join(f"<th>{h}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def figure_html(state: dict[str, Any]) -> str:
+    """The last nights as plotly charts: work, errors, duration against the budget."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    nights = state["nights"]
+    if not nights:
+        return f"<p class='muted'>No run in the last {NIGHTS} days.</p>"
+    x = [n["finished_at"] for n in nights]
+    text = [f"{n['run_id']}<br>{n['status']}{' (dry run)' if n['dry_run'] else ''}" for n in nights]
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        subplot_titles=(state["work_label"], "item errors", "duration (min) against the budget"),
+    )
+    fig.add_trace(
+        go.Bar(x=x, y=[n["work"] for n in nights], name=state["work_label"], hovertext=text),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Bar(
+            x=x,
+            y=[n["item_errors"] for n in nights],
+            name="item errors",
+            marker_color="#c0392b",
+            hovertext=text,
+        ),
+        row=2,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[n["duration_minutes"] for n in nights],
+            name="duration",
+            mode="lines+markers",
+            hovertext=text,
+        ),
+        row=3,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[x[0], x[-1]],
+            y=[state["budget_minutes"]] * 2,
+            name="budget",
+            mode="lines",
+            line={"dash": "dash", "color": "#7f8c8d"},
+        ),
+        row=3,
+        col=1,
+    )
+    fig.update_layout(height=620, margin={"l": 50, "r": 20, "t": 40, "b": 30}, showlegend=False)
+    div_id = f"nights-{state['dag_id']}"
+    return fig.to_html(
+        full_html=False, include_plotlyjs=False, div_id=div_id, config={"displaylogo": False}
+    )
+
+
+def _signal_value(s: dict[str, Any]) -> str:
+    if s["signal"] == "vacuum" and s["value"]:
+        return f"running: {_e(s['about'])}"
+    if s["signal"] == "vacuum" and not s["about"]:
+        return "none"
+    if s["value"] is None or s["signal"] == "vacuum":
+        return f"<span class='muted'>{_e(s['about'])}</span>"
+    about = f" ({_e(s['about'])})" if s["about"] else ""
+    return f"{_e(s['value'])}{about}"
+
+
+def _limit(s: dict[str, Any]) -> str:
+    limit = s["limit"]
+    shown = ("on" if limit else "off") if isinstance(limit, bool) else _e(limit)
+    return f"{shown} <span class='muted'>({_e(s['param'])})</span>"
+
+
+def job_html(state: dict[str, Any]) -> str:
+    dag_id = state["dag_id"]
+    head = (
+        f"<section class='job' id='{_e(dag_id)}'><h2><a href='/dags/{_e(dag_id)}'>"
+        f"{_e(dag_id)}</a></h2><p class='muted'>connection "
+        f"<code>{_e(state['conn_id'])}</code>, read-only session</p>"
+    )
+    if state["state"] != "ok":
+        return head + f"<div class='alert {state['state']}'>{_e(state['message'])}</div></section>"
+    parts = [head]
+    lease = state["lease"]
+    if lease:
+        live = "held" if lease["live"] else "expired"
+        parts.append(
+            f"<p><b>Lease</b> {live} by <code>{_e(lease['holder'])}</code> since "
+            f"{_when(lease['acquired_at'])}, expires {_when(lease['expires_at'])}, run deadline "
+            f"{_when(lease['run_deadline_at'])}</p>"
+        )
+    else:
+        parts.append("<p><b>Lease</b> free: no run holds it</p>")
+    rows = [
+        [
+            f"<code>{_e(s['signal'])}</code>",
+            _signal_value(s),
+            _limit(s),
+            "<b class='over'>over</b>" if s["over"] else "ok",
+        ]
+        for s in state["signals"]
+    ]
+    parts.append("<h3>Pacing signals now</h3>" + _table(["signal", "now", "limit", ""], rows))
+    if state.get("signals_error"):
+        parts.append(f"<p class='muted'>Not readable here: {_e(state['signals_error'])}</p>")
+    parts.append(
+        "<p class='muted'>Limits are the DAG params' defaults; a run given others paces on "
+        "those.</p>"
+    )
+    parts.append(f"<h3>Open sweeps ({len(state['sweeps'])})</h3>")
+    if not state["sweeps"]:
+        parts.append("<p class='muted'>None: every sweep is done.</p>")
+    for s in state["sweeps"]:
+        rate = f"{s['rows_per_second']:.1f}" if s["rows_per_second"] else "no batch yet"
+        parts.append(
+            f"<div class='sweep'><p><b>{_e(s['scope'])}</b> (sweep {s['sweep_id']}, "
+            f"{'resumable' if s['resumable'] else 'not resumable'}) started "
+            f"{_when(s['started_at'])}, owner <code>{_e(s['owner'])}</code><br>"
+            f"<b>{s['share_done'] * 100:.1f} %</b> of {s['planned_rows']} planned rows done; "
+            f"ranges {s['ranges_done']}/{s['ranges_total']} done; {rate} rows/s; time left at that "
+            f"rate: {_duration(s['seconds_left'])}; item errors {s['item_errors']}, skipped "
+            f"locked {s['skipped_locked']}; pauses: not recorded in the job database (metric "
+            "pin_nightly_pauses_total by signal)</p>"
+        )
+        rows = [
+            [
+                _e(r["label"]),
+                _e(r["status"]),
+                f"{r['rows_processed']} / {r['planned_rows']}",
+                _e(r["rows_changed"]),
+                _e(r["batches"]),
+                f"<code>{_e(r['cursor_id'] or 'start')}</code>",
+                _when(r["updated_at"]),
+            ]
+            for r in s["ranges"]
+        ]
+        head_r = ["range", "state", "rows checked / planned", "changed", "batches", "cursor"]
+        parts.append(_table([*head_r, "updated"], rows, "ranges") + "</div>")
+    parts.append(f"<h3>Last {NIGHTS} nights</h3>" + figure_html(state))
+    errors = state["item_errors"]
+    parts.append(f"<h3>Item errors still open ({len(errors)})</h3>")
+    if errors:
+        fix = state["repair"]
+        conf = json.dumps(fix["conf"], indent=1)
+        rows = [
+            [
+                f"<code>{_e(e['item_id'])}</code> {_e(e['item_kind'])}",
+                f"<code>{_e(e['sqlstate'])}</code> {_e(e['message'])}",
+                _when(e["recorded_at"]),
+                _e(e["run_id"]),
+            ]
+            for e in errors
+        ]
+        parts.append(_table(["row", "error", "recorded", "run"], rows, "errors"))
+        parts.append(
+            f"<p class='repair'><a href='{_e(fix['dag_url'])}'>Targeted repair: "
+            f"open {_e(dag_id)} and Trigger</a> with this configuration (Advanced options, "
+            f"Configuration JSON):</p><pre class='conf'>{_e(conf)}</pre>"
+        )
+    else:
+        parts.append("<p class='muted'>None.</p>")
+    return "".join(parts) + "</section>"
+
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:1rem 1.5rem;color:#222}
+h1{font-size:1.4rem}h2{font-size:1.2rem;margin-top:2rem}h3{font-size:1rem;margin-bottom:.3rem}
+table{border-collapse:collapse;font-size:.85rem;margin:.3rem 0}
+td,th{border:1px solid #ddd;padding:.2rem .45rem;text-align:left;vertical-align:top}
+th{background:#f4f4f4}.muted{color:#777}.over{color:#c0392b}
+.alert{padding:.6rem .8rem;border:1px solid #c0392b;background:#fdecea;border-radius:4px}
+.sweep{margin:.5rem 0 1rem}pre.conf{background:#f4f4f4;padding:.5rem;max-width:60rem}
+section.job{border-top:2px solid #ddd}
+"""
+
+
+def page_html(states: list[dict[str, Any]]) -> str:
+    sections = "".join(job_html(s) for s in states)
+    at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>pin-nightly</title>"
+        f"<style>{STYLE}</style><script src='static/plotly.min.js'></script></head><body>"
+        f"<h1>pin-nightly</h1><p class='muted'>Read at {at}, read-only. Reload to refresh.</p>"
+        f"{sections}</body></html>"
+    )
+
+
+# ------------------------------------------------------------------------------- the app
+
+
+@functools.cache
+def plotly_js() -> bytes:
+    """plotly.js as the pinned plotly package ships it (served by the app: no CDN)."""
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs().encode()
+
+
+def create_app():
+    """The console's FastAPI app, which the API server mounts at :data:`URL_PREFIX`."""
+    from airflow.api_fastapi.core_api.security import GetUserDep
+    from fastapi import FastAPI, HTTPException
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+    app = FastAPI(title="pin-nightly console", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def states(user) -> list[dict[str, Any]]:
+        allowed = readable(user)
+        if not allowed:
+            raise HTTPException(403, "Forbidden: you may read neither pin-nightly DAG")
+        return [read_job(j) for j in allowed]
+
+    @app.get("/api/jobs")
+    def api_jobs(user: GetUserDep) -> JSONResponse:
+        return JSONResponse(jsonable_encoder({"jobs": states(user)}))
+
+    @app.get("/", response_class=HTMLResponse)
+    def page(user: GetUserDep) -> HTMLResponse:
+        return HTMLResponse(page_html(states(user)))
+
+    @app.get("/static/plotly.min.js")
+    def plotly() -> Response:
+        headers = {"Cache-Control": "public, max-age=86400"}
+        return Response(plotly_js(), media_type="application/javascript", headers=headers)
+
+    return app
