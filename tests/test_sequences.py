@@ -17,6 +17,7 @@ from pin_nightly.db import sql
 from tests.conftest import SUFFIX
 from tests.helpers import (
     ADVISORY_KEY,
+    after_each_batch,
     assert_ok,
     failed_tasks,
     night,
@@ -317,6 +318,32 @@ def test_a_daily_window_after_an_unfinished_one_covers_its_own_window_too(news_d
         ("abandoned",),
         ("done",),
     ]
+
+
+def test_a_whole_run_clear_sends_only_what_the_run_had_not_counted(news_db):
+    """A FullSweep runs out of its budget after its first batch (backlog_remaining, green);
+    the whole run is cleared (the same run id, from the start) and finishes. Its result counts
+    all the run's work, and the counters its two summaries sent add up to it: every post once."""
+    import time
+
+    db = news_db
+    db.posts(20, drift_every=1)
+    conf = {"scope": "FullSweep", "batch_size": 5, "max_ranges": 1}
+    logical = night(db.today() - timedelta(days=1))
+    with after_each_batch(lambda _b: time.sleep(2)):
+        first = run_dag(NEWS, {**conf, "max_run_duration_minutes": 0.02}, logical_date=logical)
+    s1 = assert_ok(first)
+    assert s1["status"] == "backlog_remaining" and 0 < s1["posts_reconciled"] < 20, s1
+    again = run_dag(NEWS, conf, logical_date=logical, run_id=first["run_id"])
+    assert again["run_id"] == first["run_id"]
+    s2 = assert_ok(again)
+    assert s2["status"] == "success" and s2["posts_reconciled"] == 20, s2
+    assert db.drifted_posts() == 0
+    sent = {"news_comment_reconcile_posts_reconciled_total": 0}
+    for (signals,) in db.q("SELECT signals FROM pin_nightly.run_signal ORDER BY emitted_at"):
+        for name, value, _ in signals["run_totals"]:
+            sent[name] = sent.get(name, 0) + value
+    assert sent["news_comment_reconcile_posts_reconciled_total"] == 20, sent
 
 
 def test_a_run_with_another_formula_never_adopts_the_nightly_pass_of_its_date(catalog_db):

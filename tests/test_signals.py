@@ -31,7 +31,7 @@ def signals(db, run_id: str) -> dict:
     [(sent,)] = db.q("SELECT signals FROM pin_nightly.run_signal WHERE run_id = %s", run_id)
     return {
         **{f"gauge {n}": v for n, v, _ in sent["gauges"]},
-        **{f"counter {n}": v for n, v, _ in sent["counters"]},
+        **{f"counter {n}": v for n, v, _ in sent["counters"] + sent["run_totals"]},
         "alert": sent["alert"],
     }
 

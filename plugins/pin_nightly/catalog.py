@@ -555,13 +555,13 @@ def _settle(conn, opts: dict[str, Any], result: dict[str, Any]) -> None:
 def _signals(opts: dict[str, Any], result: dict[str, Any], window) -> runs.Signals:
     """What the run's first summary sends: what it did, and the time its work completed."""
     signals = runs.Signals(
-        counters=[
+        counters=[[f"{METRIC}_snapshots_total", result["snapshots_pruned"], {"op": "pruned"}]],
+        run_totals=[
             *(
                 [f"{METRIC}_cards_total", result[f"{k.result}_processed"], {"card_kind": k.name}]
                 for k in CARD_KINDS
             ),
             [f"{METRIC}_snapshots_total", result["snapshots_written"], {"op": "written"}],
-            [f"{METRIC}_snapshots_total", result["snapshots_pruned"], {"op": "pruned"}],
             [f"{METRIC}_errors_total", result["item_errors"], None],
         ],
         # the exporter's mapping turns the milliseconds into the spec's seconds

@@ -399,9 +399,9 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     counted = fetch_one_dict(cur)
     threshold = opts["drift_alert_threshold"]
     signals = runs.Signals(
-        counters=[
+        counters=[[f"{METRIC}_drift_corrected_total", counted["corrected"], None]],
+        run_totals=[
             [f"{METRIC}_posts_reconciled_total", result["posts_reconciled"], None],
-            [f"{METRIC}_drift_corrected_total", counted["corrected"], None],
             # posts a batch could not write (pin_nightly.item_error); failed tasks count apart
             [f"{METRIC}_errors_total", result["item_errors"], None],
         ],

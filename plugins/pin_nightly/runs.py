@@ -177,7 +177,7 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", job.code, LOCK_HELD)
         else:
-            totals, result["unfinished_sweeps"] = finish_run(conn, job.code, run.holder)
+            totals, result["unfinished_sweeps"] = finish_run(conn, run)
             job.count(run, totals, result)
             result["backlog_remaining"] = bool(result["unfinished_sweeps"])
             if result["backlog_remaining"]:
@@ -302,10 +302,11 @@ def rejoin_lease(run: Run) -> leases.Lease:
         return leases.rejoin(conn, run.held())
 
 
-def run_totals(conn, job: str, owner: str) -> list[dict[str, Any]]:
-    """What the acquisition ``owner`` did, per sweep: the sweep and its ``counters``."""
+def run_totals(conn, job: str, run_id: str) -> list[dict[str, Any]]:
+    """What the run ``run_id`` did, per sweep: the sweep and its ``counters``, over all the
+    run's acquisitions (a whole-run clear's takes the run's ranges with their counters)."""
     with transaction(conn) as cur:
-        cur.execute(sql("common/run_totals"), {"job": job, "owner": owner})
+        cur.execute(sql("common/run_totals"), {"job": job, "run_id": run_id})
         rows = fetch_dicts(cur)
     names = [f.name for f in fields(ranges.Counters)]
     for r in rows:
@@ -313,14 +314,15 @@ def run_totals(conn, job: str, owner: str) -> list[dict[str, Any]]:
     return rows
 
 
-def finish_run(conn, job: str, owner: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Close the job's sweeps whose ranges are all done; return what the acquisition ``owner``
-    did, per sweep (see :func:`run_totals`), and the sweeps still unfinished after it (the
-    backlog), e.g. ``FullSweep (sweep 12)``."""
-    totals = run_totals(conn, job, owner)
+def finish_run(conn, run: Run) -> tuple[list[dict[str, Any]], list[str]]:
+    """Close the job's sweeps whose ranges are all done; return what the run did, per sweep
+    (see :func:`run_totals`), and the sweeps still unfinished after it (the backlog), e.g.
+    ``FullSweep (sweep 12)``."""
+    job = run.job.code
+    totals = run_totals(conn, job, run.run_id)
     closed = close_finished(conn, job)
     with transaction(conn) as cur:
-        cur.execute(sql("common/sweeps_unfinished"), {"job": job, "owner": owner})
+        cur.execute(sql("common/sweeps_unfinished"), {"job": job, "owner": run.holder})
         unfinished = fetch_dicts(cur)
     for t in totals:
         if t["sweep_id"] in closed:
@@ -357,12 +359,23 @@ def write_run_log(conn, run: Run, result: dict[str, Any]) -> None:
 class Signals:
     """What a summary sends: metrics declared in :data:`metrics.METRICS` (``[name, value,
     tags]``) and an alert (``None``: no alert). Gauges describe a state and are sent again by a
-    summary run again; counters, timings and the alert are sent once per acquisition."""
+    summary run again; counters, timings and the alert are sent once per acquisition.
+    ``run_totals`` are counters of the run's totals (:func:`run_totals`, over all the run's
+    acquisitions): an acquisition sends what the run's earlier ones have not (``whole``: the
+    totals it sent up to, which the next acquisition of the run subtracts)."""
 
     counters: list = field(default_factory=list)
+    run_totals: list = field(default_factory=list)
     timings: list = field(default_factory=list)
     gauges: list = field(default_factory=list)
     alert: dict[str, Any] | None = None
+    whole: list = field(default_factory=list)
+
+    def count_from(self, earlier: dict[str, Any] | None) -> None:
+        """Send only what the run's earlier acquisition (its stored signals) did not."""
+        self.whole = [list(c) for c in self.run_totals]
+        sent = {_key(n, t): v for n, v, t in (earlier or {}).get("whole", [])}
+        self.run_totals = [[n, max(0, v - sent.get(_key(n, t), 0)), t] for n, v, t in self.whole]
 
     def send(self, first: bool, alert: Callable[[dict[str, Any]], None] | None = None) -> None:
         for name, value, tags in self.gauges:
@@ -370,12 +383,16 @@ class Signals:
         if not first:
             log.info("this run's summary was sent before: counters and alerts not sent again")
             return
-        for name, value, tags in self.counters:
+        for name, value, tags in self.counters + self.run_totals:
             metrics.incr(name, value, tags=tags)
         for name, value, tags in self.timings:
             metrics.timing(name, value, tags=tags)
         if self.alert is not None and alert is not None:
             alert(self.alert)
+
+
+def _key(name: str, tags: dict[str, Any] | None) -> str:
+    return json.dumps([name, tags], sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -412,6 +429,9 @@ def summary_signals(
             log.warning("a newer run sent its summary: this one counts nothing new")
             window = replace(window, through=window.since_any)
         signals = build(cur, window, nightly)
+        cur.execute(sql("common/signal_of_run"), {**key, "run_id": run.run_id})
+        earlier = cur.fetchone()
+        signals.count_from(earlier[0] if earlier else None)
         record = {"run_id": run.run_id, "nightly": nightly, "work_done_at": window.work_done_at}
         record.update(drift_through=window.through, signals=json.dumps(asdict(signals)))
         cur.execute(sql("common/signal_record"), {**key, **record})

@@ -91,8 +91,9 @@ UPDATE pin_nightly.sweep_range
 RETURNING range_no
 
 -- name: run_totals
--- What this acquisition did, from the counters of the ranges it owned (named as the fields of
--- pin_nightly.keyset.Counters).
+-- What the run did, from the counters of its ranges (named as the fields of
+-- pin_nightly.ranges.Counters): every acquisition of the run (a whole-run clear's takes the
+-- run's ranges with their counters; a range another run adopted is counted by that one).
 SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status, s.started_at,
        count(*)                                   AS ranges,
        count(*) FILTER (WHERE r.status = 'done')  AS ranges_done,
@@ -104,7 +105,7 @@ SELECT r.sweep_id, s.scope, s.family, s.status AS sweep_status, s.started_at,
        coalesce(sum(r.rows_written), 0)::bigint   AS written,
        max(r.cursor_id::text)                     AS last_id
   FROM pin_nightly.sweep_range r JOIN pin_nightly.sweep s USING (sweep_id)
- WHERE s.job = %(job)s AND r.owner = %(owner)s
+ WHERE s.job = %(job)s AND r.run_id = %(run_id)s
  GROUP BY r.sweep_id, s.scope, s.family, s.status, s.started_at
  ORDER BY r.sweep_id
 

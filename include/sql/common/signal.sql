@@ -8,6 +8,15 @@ SELECT signals, work_done_at
   FROM pin_nightly.run_signal
  WHERE job = %(job)s AND owner = %(owner)s
 
+-- name: signal_of_run
+-- The signals of the run's newest earlier acquisition (a whole-run clear's summary sends what
+-- that one did not), or no row.
+SELECT signals
+  FROM pin_nightly.run_signal
+ WHERE job = %(job)s AND run_id = %(run_id)s AND owner <> %(owner)s
+ ORDER BY emitted_at DESC
+ LIMIT 1
+
 -- name: signal_window
 -- Where this summary counts from: the instant up to which earlier summaries counted (of any
 -- run; of nightly runs); with none, the start of the oldest sweep the acquisition worked (it
