@@ -779,6 +779,32 @@ def test_cards_delisted_deleted_or_locked_between_compute_and_write(catalog_db, 
     assert catalog_db.one(xmin, held, D) != catalog_db.one(xmin, ids[0], D)
 
 
+def test_a_remembered_card_is_taken_first_the_next_night(catalog_db):
+    """A card held through a night's end-of-range retry is remembered; the next night, the range
+    whose keyset holds it takes it before its batches: a budget that ends after the first batch
+    still writes it (the batches never reach it, the newest id) and forgets it, and no batch
+    writes it twice."""
+    from tests.helpers import after_each_batch
+
+    cards = [catalog_db.card(views=10 * (i + 1)) for i in range(6)]
+    held = cards[-1]  # the newest id: the last one the keyset reaches
+    for c in cards:
+        catalog_db.seed_snapshot(c, D - timedelta(days=2), 5)
+    remembered = "SELECT card_id::text FROM pin_nightly.popularity_skipped_card"
+    with psycopg.connect(catalog_db.dsn) as blocker:
+        blocker.execute(INCREMENT, (1, held))  # held, uncommitted, for the whole run
+        s = assert_ok(run({"batch_size": 2}, as_of=D - timedelta(days=1)))
+        assert s["cards_unscored"] == 1 and catalog_db.q(remembered) == [(held,)], s
+    with after_each_batch(lambda _b: time.sleep(2)):
+        s = assert_ok(run({"batch_size": 2, "max_ranges": 1, "max_run_duration_minutes": 0.02}))
+    assert s["status"] == "backlog_remaining", s
+    assert catalog_db.snapshots(held)[-1] == (D, 61)
+    assert catalog_db.score(held) == reference_score(dict(catalog_db.snapshots(held)), D, 30, 7)
+    assert catalog_db.snapshots(cards[3])[-1][0] < D  # the keyset did not get that far
+    assert catalog_db.q(remembered) == [] and s["cards_unscored"] == 0
+    assert s["property_object_cards_processed"] == 3  # the first batch's two, and the held one
+
+
 def test_a_card_held_through_the_run_keeps_its_earlier_snapshot_of_the_date(catalog_db):
     """A re-run of a date while a consumer's transaction holds a card from before the run to
     after it: statement 2 upserts the card's snapshot, cannot lock the card, and puts the
@@ -810,3 +836,5 @@ def test_a_card_held_through_the_run_keeps_its_earlier_snapshot_of_the_date(cata
     assert catalog_db.snapshots(held)[-1] == (D, 81) and catalog_db.score(held) == 51
     assert s["property_object_cards_skipped_locked"] == 0
     assert s["cards_unscored"] == 0 and catalog_db.q(remembered) == []
+    # taken first, then left by the batch that reads it: each card counted once
+    assert s["property_object_cards_processed"] == 2 and s["snapshots_written"] == 2, s

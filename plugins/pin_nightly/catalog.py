@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime
 from typing import Any
 
@@ -346,6 +346,7 @@ class Recompute(ranges.Worker):
     batch's row locks and all its writes, one statement)."""
 
     kind: str
+    taken: set[str] = field(default_factory=set)  # remembered cards the range took first
     dag_id = "catalog_popularity_recompute"
     job_code = "catalog-popularity-recompute"
 
@@ -383,7 +384,19 @@ class Recompute(ranges.Worker):
 
     def batch(self, cur, after_id, upper_id, limit: int) -> ranges.Batch:
         bounds = {"after_id": after_id, "upper_id": upper_id, "limit": limit, **self.source}
-        return self._write(cur, self._compute(cur, bounds), limit)
+        rows = self._compute(cur, bounds)
+        b = self._write(cur, [r for r in rows if r["id"] not in self.taken], limit)
+        return replace(b, last_id=rows[-1]["id"] if rows else None, full=len(rows) >= limit)
+
+    def remembered(self, cur, lower_id, upper_id) -> list[str]:
+        if self.targeted or self.opts["dry_run"]:
+            return []  # a targeted run writes its ids only; a dry run nothing
+        bounds = {"lower_id": lower_id, "upper_id": upper_id, "limit": self.opts["batch_size"]}
+        cur.execute(sql("catalog/remembered"), {"kind": self.kind, **bounds})
+        return [r[0] for r in cur.fetchall()]
+
+    def taken_first(self, ids: list[str]) -> None:
+        self.taken.update(ids)
 
     def guard(self, cur) -> str | None:
         return _backfill_guard(cur, self.opts)

@@ -71,6 +71,14 @@ class Worker:
         """Whether it works the ids a run was given (a targeted repair tries each of them)."""
         return False
 
+    def remembered(self, cur, lower_id: str | None, upper_id: str | None) -> list[str]:  # noqa: ARG002
+        """Rows of the range ``(lower_id, upper_id]`` that an earlier night left locked and
+        remembered: the range takes them first (:meth:`retry` each), before its batches."""
+        return []
+
+    def taken_first(self, ids: list[str]) -> None:
+        """The rows :meth:`remembered` gave that the range wrote: its batches leave them."""
+
     @property
     def item_kind(self) -> str | None:
         """The kind of the rows it writes, where the job has several (a card kind)."""
@@ -346,6 +354,13 @@ def run_range(
 
 
 def _work_range(work: _Range, row, batch_size: int, stop, res: RangeResult) -> RangeResult:
+    with transaction(work.conn) as cur:
+        first = work.job.remembered(cur, row["lower_id"], row["upper_id"])
+    if first:
+        log.info(
+            "range %s: takes first %d row(s) an earlier night left locked", work.label, len(first)
+        )
+        res += _retry_skipped(work, first, stop, first=True)
     res, skipped = _work_batches(work, row, batch_size, stop, res)
     if res.status == "done":
         res += _retry_skipped(work, skipped, stop)
@@ -411,9 +426,10 @@ class _Range:
         return b, renew_due
 
     def retry(
-        self, row_id: str, timeout_ms: int, paused: healths.Pause | None = None
+        self, row_id: str, timeout_ms: int, paused: healths.Pause | None = None, first=False
     ) -> Counters | None:
-        """The end-of-range retry of one skipped row, in its own transaction, waiting at most
+        """The end-of-range retry of one skipped row (``first``: a remembered row the range
+        takes first, not skipped by it), in its own transaction, waiting at most
         ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline).
         ``paused``: the pause before it, for its span."""
         with (
@@ -426,8 +442,10 @@ class _Range:
             cur.execute(sql("common/set_lock_timeout"), {"ms": str(int(timeout_ms))})
             b = self.job.retry(cur, [row_id])
             tracing.set_result(span, _batch_attributes, b)
-            taken = b.retaken()
+            taken = b.counters if first else b.retaken()
             self.update(cur, "common/range_retried", taken.as_params())
+        if first and b.counters.processed:
+            self.job.taken_first([row_id])
         return taken
 
 
@@ -517,16 +535,17 @@ def _batch_attributes(b: Batch | None) -> dict[str, Any]:
     return {**attributes, "pin.batch.cursor": b.last_id, "updated_count": b.counters.changed}
 
 
-def _retry_skipped(work: _Range, skipped: list[str], stop) -> Counters:
-    """Take each skipped row once more, waiting at most :data:`RETRY_LOCK_TIMEOUT_MS` for its
-    lock and pacing before each as before a batch; what the rows taken add to the counters."""
+def _retry_skipped(work: _Range, skipped: list[str], stop, first: bool = False) -> Counters:
+    """Take each skipped row once more (``first``: each remembered row), waiting at most
+    :data:`RETRY_LOCK_TIMEOUT_MS` for its lock and pacing before each as before a batch; what
+    the rows taken add to the counters."""
     done = Counters()
     for row_id in skipped:
         paused = work.pace(stop)  # outside any transaction
         if stop.requested:
             break
         try:
-            taken = work.retry(row_id, RETRY_LOCK_TIMEOUT_MS, paused)
+            taken = work.retry(row_id, RETRY_LOCK_TIMEOUT_MS, paused, first)
         except Exception as exc:  # noqa: BLE001 - only a lock timeout is expected here
             if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise

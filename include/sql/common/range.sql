@@ -63,11 +63,12 @@ UPDATE pin_nightly.sweep_range
 RETURNING cursor_id::text
 
 -- name: range_retried
--- A post or card taken on the end-of-range retry is no longer counted as skipped.
+-- What a row taken on its own adds (pin_nightly.ranges.Counters): one the end-of-range retry
+-- took is no longer counted as skipped (skipped_locked < 0); one remembered, taken first.
 UPDATE pin_nightly.sweep_range
    SET rows_processed = rows_processed + %(processed)s,
        rows_changed   = rows_changed + %(changed)s,
-       skipped_locked = skipped_locked - %(processed)s,
+       skipped_locked = skipped_locked + %(skipped_locked)s,
        rows_written   = rows_written + %(written)s,
        item_errors    = item_errors + %(item_errors)s,
        updated_at     = clock_timestamp()
