@@ -100,6 +100,8 @@ JOB_STATE = {
     "pin_nightly.run_log": "DELETE,INSERT,SELECT,UPDATE",
     "pin_nightly.item_error": "DELETE,INSERT,SELECT",
     "pin_nightly.run_signal": "DELETE,INSERT,SELECT",
+    "pin_nightly.sweep_control": "INSERT,SELECT,UPDATE",
+    "pin_nightly.control_event": "INSERT,SELECT",
     "pin_nightly.lease_token_seq": "USAGE",
     "pin_nightly.sweep_sweep_id_seq": "USAGE",
 }
@@ -250,7 +252,7 @@ def test_missing_job_tables_are_reported_not_created_by_the_job_role(news_job, c
     text = out.out + out.err + caplog.text
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
     assert (
-        "job-owned tables are missing or out of date (pin_nightly.item_error_item does not "
+        "job-owned tables are missing or out of date (pin_nightly.control_event_sweep does not "
         "exist) and this role may not change them: a DBA applies "
         "include/sql/schema/pin_nightly.sql"
     ) in text

@@ -96,6 +96,9 @@ class Popularity(jobs.Job):
     def emit_state(self, conn) -> None:
         _emit_state(conn)
 
+    def params(self) -> dict[str, Any]:
+        return PARAMS
+
     def rows_tried(self, result: dict[str, Any]) -> int:
         return sum(result[f"{k.result}_processed"] for k in CARD_KINDS)  # failures included
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,7 @@ class Health:
     _wal: deque = field(default_factory=deque)  # (monotonic seconds, WAL bytes)
     _waiters: tuple[int, float] = (0, 0.0)  # at the end of the last batch: count, longest wait
     _blind_warned: bool = False
+    refresh: Callable[[], None] | None = None  # updates limits before each reading
 
     @classmethod
     def from_opts(cls, opts: dict[str, Any], tables=(), dag_id: str = "") -> Health:
@@ -293,7 +295,11 @@ class Health:
         names what waits in the log (``range ...``, ``retention``)."""
         pause = Pause()
         step, started = FIRST_PAUSE_S, time.monotonic()
-        while self.on:
+        while True:
+            if self.refresh is not None:
+                self.refresh()  # limits given mid-run take effect while it waits
+            if not self.on:
+                break
             over, left = self.read(conn, lease, budget_share)
             if not over:
                 if pause.signals:
@@ -320,7 +326,7 @@ class Health:
                 sleep,
                 time.monotonic() - started,
             )
-            if _sleep(sleep, stop):
+            if sleep_unless_stopped(sleep, stop):
                 break
             step = min(step * 2, MAX_PAUSE_S)
         pause.seconds = time.monotonic() - started if pause.signals else 0.0
@@ -346,7 +352,7 @@ def _from_database(exc: BaseException) -> bool:
     )
 
 
-def _sleep(seconds: float, stop) -> bool:
+def sleep_unless_stopped(seconds: float, stop) -> bool:
     """Sleep, waking early when a stop is requested; whether one was."""
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:

@@ -38,7 +38,7 @@ UUID_PATTERN = "^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-
 
 # The job-state tables (include/sql/schema/pin_nightly.sql) and the relation its last statement
 # creates: a schema without it is older, and brought up to date (pin_nightly.db.ensure_schema).
-STATE_DDL = ("pin_nightly.item_error_item", "schema/pin_nightly")
+STATE_DDL = ("pin_nightly.control_event_sweep", "schema/pin_nightly")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,10 @@ class Job:
 
     def alert(self, run: Run, alert: dict[str, Any]) -> None:
         """Send the alert a summary's signals carry."""
+
+    def params(self) -> dict[str, Any]:
+        """The DAG's params (``airflow.sdk.Param`` each)."""
+        raise NotImplementedError
 
     def rows_tried(self, result: dict[str, Any]) -> int:
         """The rows a run's ``result`` tried to write, those that failed included."""
@@ -286,7 +290,7 @@ def deployment_settings(
         raise JobConfigError(f"Variable {name} is not JSON: {exc}") from exc
     if not isinstance(settings, dict):
         raise JobConfigError(f"Variable {name} must be a JSON object of params, got {raw!r}")
-    errors = [_setting_error(spec, k, v) for k, v in settings.items()]
+    errors = [setting_error(spec, k, v) for k, v in settings.items()]
     if errors := [e for e in errors if e]:
         raise JobConfigError(f"Variable {name}: " + "; ".join(errors))
     applied = {k: v for k, v in settings.items() if k not in (conf or {})}
@@ -295,7 +299,7 @@ def deployment_settings(
     return {**params, **applied}, applied
 
 
-def _setting_error(spec: dict[str, Any], key: str, value: Any) -> str | None:
+def setting_error(spec: dict[str, Any], key: str, value: Any) -> str | None:
     """Why ``key: value`` may not be a deployment setting (None: it may)."""
     import copy
 

@@ -82,6 +82,9 @@ class News(jobs.Job):
     def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:  # noqa: ARG002
         _tidy(conn, run.holder)
 
+    def params(self) -> dict[str, Any]:
+        return PARAMS
+
     def rows_tried(self, result: dict[str, Any]) -> int:
         return result["posts_reconciled"] + result["item_errors"]
 

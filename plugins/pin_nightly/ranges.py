@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Self
 
+from pin_nightly import controls, metrics, tracing
 from pin_nightly import health as healths
 from pin_nightly import lease as leases
-from pin_nightly import tracing
 from pin_nightly.db import fetch_one_dict, sql, sqlstate, transaction
 
 log = logging.getLogger(__name__)
@@ -387,7 +387,50 @@ class _Range:
         """Before a batch, outside any transaction: wait while the database is unhealthy."""
         if self.health is None:
             return healths.Pause()
-        return self.health.wait(self.conn, self.lease, self.share, stop, f"range {self.label}")
+        pause = self.health.wait(self.conn, self.lease, self.share, stop, f"range {self.label}")
+        self.record_pause(pause)
+        return pause
+
+    def record_pause(self, pause: healths.Pause) -> None:
+        """Count a pause on the range row, by signal (what the console shows)."""
+        if pause.signals:
+            with transaction(self.conn) as cur:
+                params = {"ms": round(pause.seconds * 1000), "signals": pause.signals}
+                self.update(cur, "common/range_paused", params)
+
+    def control(self) -> controls.Control:
+        """The sweep's controls now (its own short transaction)."""
+        with transaction(self.conn) as cur:
+            return controls.read(cur, self.key["sweep_id"])
+
+    def wait_resumed(self, ctl: controls.Control, stop) -> controls.Control | None:
+        """While the sweep is paused from the console: recheck every :data:`controls.POLL_S`
+        outside any transaction (no lock held), renewing the lease; the control once resumed
+        (None: the range's budget is spent, or a stop was requested)."""
+        log.warning(
+            "range %s: sweep paused by %s at %s; waiting (no lock, no transaction held)",
+            self.label,
+            ctl.updated_by,
+            ctl.updated_at,
+        )
+        metrics.incr(healths.METRIC, tags={"dag_id": self.job.dag_id, "signal": "operator"})
+        started = time.monotonic()
+        try:
+            while ctl.paused:
+                if healths.sleep_unless_stopped(controls.POLL_S, stop):
+                    return None
+                with transaction(self.conn) as cur:
+                    past_deadline, renew_due = leases.fence(cur, self.lease, self.share)
+                    ctl = controls.read(cur, self.key["sweep_id"])
+                if past_deadline:
+                    log.warning("range %s: budget spent while paused; it stops here", self.label)
+                    return None
+                if renew_due:
+                    leases.renew(self.conn, self.lease)
+        finally:
+            self.record_pause(healths.Pause(time.monotonic() - started, ["operator"]))
+        log.info("range %s: sweep resumed by %s", self.label, ctl.updated_by)
+        return ctl
 
     def update(self, cur, statement, params=None, why="taken over or closed by someone else"):
         """A write to the range row, only while it is the acquisition's (and its sweep open)."""
@@ -464,15 +507,24 @@ def _work_batches(
     """The range's batches from its cursor to its end, the deadline or a stop; the rows skipped."""
     cursor, upper, wrapped = _resume_point(row)
     skipped: list[str] = []
+    if work.health is not None:  # pacing limits given from the console replace the run's
+        limits = dict(work.health.limits)
+        work.health.refresh = lambda: setattr(work.health, "limits", work.control().limits(limits))
     while True:
         if stop.requested:
             res.status = "stopped"
             break
+        ctl = work.control()  # the console's controls, before each batch
+        if ctl.paused:
+            ctl = work.wait_resumed(ctl, stop)
+            if ctl is None:
+                res.status = "stopped" if stop.requested else "interrupted"
+                break
         paused = work.pace(stop)  # outside any transaction
         if stop.requested:
             continue
         started = time.monotonic()
-        b, renew_due = work.batch(cursor, upper, batch_size, paused)
+        b, renew_due = work.batch(cursor, upper, ctl.batch_size(batch_size), paused)
         if b is None:
             res.status = "interrupted"
             break

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from pin_nightly import controls, metrics, ranges, sweeps, tracing
 from pin_nightly import lease as leases
-from pin_nightly import metrics, ranges, sweeps, tracing
 from pin_nightly.db import connection, fetch_dicts, fetch_one_dict, sql, transaction
 
 if TYPE_CHECKING:
@@ -178,6 +178,8 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             log.warning("%s: %s; this run did nothing", job.code, LOCK_HELD)
         else:
             totals, result["unfinished_sweeps"] = finish_run(conn, run)
+            if given := controls.events_of_run(conn, run.run_id, run.lease.acquired_at):
+                result["controls"] = given  # from the console, with who and when
             job.count(run, totals, result)
             result["backlog_remaining"] = bool(result["unfinished_sweeps"])
             if result["backlog_remaining"]:

@@ -184,7 +184,33 @@ CREATE INDEX IF NOT EXISTS run_signal_through ON pin_nightly.run_signal (job, dr
 -- the summaries count the corrections recorded since the previous one
 CREATE INDEX IF NOT EXISTS news_drift_recorded ON pin_nightly.news_drift (recorded_at);
 
+CREATE INDEX IF NOT EXISTS item_error_item ON pin_nightly.item_error (job, item_id);
+
+-- What a range paused for, from its pacing (signal -> pauses; "operator": the sweep paused from
+-- the console) and for how long in all.
+ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS pauses jsonb NOT NULL DEFAULT '{}';
+ALTER TABLE pin_nightly.sweep_range ADD COLUMN IF NOT EXISTS paused_ms bigint NOT NULL DEFAULT 0;
+
+-- Controls over an open sweep, set from the console and read by each of its ranges before each
+-- batch (pin_nightly.controls): paused, a batch size and pacing limits (params) in place of the
+-- run's own.
+CREATE TABLE IF NOT EXISTS pin_nightly.sweep_control (
+    sweep_id    bigint      PRIMARY KEY REFERENCES pin_nightly.sweep ON DELETE CASCADE,
+    paused      boolean     NOT NULL DEFAULT false,
+    settings    jsonb       NOT NULL DEFAULT '{}',
+    updated_by  text        NOT NULL,
+    updated_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+-- Every control given: who, when, what (the summary of a run that worked the sweep lists them).
+CREATE TABLE IF NOT EXISTS pin_nightly.control_event (
+    sweep_id    bigint      NOT NULL REFERENCES pin_nightly.sweep ON DELETE CASCADE,
+    action      text        NOT NULL,
+    value       jsonb       NOT NULL DEFAULT '{}',
+    given_by    text        NOT NULL,
+    given_at    timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
 -- The last statement of this file: the jobs probe for this index (pin_nightly.jobs.STATE_DDL),
 -- and a schema without it is brought up to date by running the whole file again. A release
 -- that adds to the file moves the probe to what it adds last.
-CREATE INDEX IF NOT EXISTS item_error_item ON pin_nightly.item_error (job, item_id);
+CREATE INDEX IF NOT EXISTS control_event_sweep ON pin_nightly.control_event (sweep_id, given_at);

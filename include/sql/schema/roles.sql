@@ -77,6 +77,10 @@ BEGIN
         EXECUTE format('GRANT SELECT, INSERT, DELETE ON pin_nightly.run_signal TO %I', job);
         -- rows a batch could not write: recorded, pruned past their retention
         EXECUTE format('GRANT SELECT, INSERT, DELETE ON pin_nightly.item_error TO %I', job);
+        -- controls over an open sweep: given from the console (on the job's connection), read
+        -- by the ranges
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE ON pin_nightly.sweep_control TO %I', job);
+        EXECUTE format('GRANT SELECT, INSERT ON pin_nightly.control_event TO %I', job);
         -- fencing tokens and sweep ids
         EXECUTE format('GRANT USAGE ON SEQUENCE pin_nightly.lease_token_seq, '
                        'pin_nightly.sweep_sweep_id_seq TO %I', job);
@@ -150,7 +154,8 @@ BEGIN
     REVOKE ALL ON SCHEMA pin_nightly FROM pin_console_reader;
     GRANT USAGE ON SCHEMA pin_nightly TO pin_console_reader;
     GRANT SELECT ON pin_nightly.job_lease, pin_nightly.sweep, pin_nightly.sweep_range,
-                    pin_nightly.run_log, pin_nightly.item_error TO pin_console_reader;
+                    pin_nightly.run_log, pin_nightly.item_error, pin_nightly.sweep_control
+                 TO pin_console_reader;
 END
 $console$;
 
