@@ -281,3 +281,64 @@ def test_the_plugin_registers_the_app_and_the_view():
     views, _ = plugins_manager._get_ui_plugins()
     (view,) = [v for v in views if v["name"] == "pin-nightly"]
     assert view["href"] == "/pin-nightly/" and view["destination"] == "nav"
+
+
+def test_controls_are_given_by_editors_only_and_refused_with_a_reason(api, news_db):
+    """Through the app: a user allowed to edit the DAG pauses and resumes an open sweep and
+    sets its batch size (the page shows the control and who gave it); a viewer, a user of
+    another DAG and an anonymous request are refused, and so are a sweep that is not open, an
+    unknown DAG or action and a value out of its param's bounds, each with its reason."""
+    import time
+
+    from tests.helpers import after_each_batch
+
+    news_db.posts(4, drift_every=1)
+    with after_each_batch(lambda _b: time.sleep(2)):
+        s = assert_ok(
+            run_dag(
+                NEWS,
+                {
+                    "scope": "FullSweep",
+                    "batch_size": 1,
+                    "max_ranges": 1,
+                    "max_run_duration_minutes": 0.02,
+                },
+            )
+        )
+    assert s["backlog_remaining"], s
+    sweep = news_db.one("SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open'")
+    url = f"/pin-nightly/api/sweeps/{NEWS}/{sweep}"
+    admin = api.token(*ADMIN)
+
+    def post(action, who=admin, body=None):
+        return api.post(f"{url}/{action}", headers=who, json=body or {})
+
+    assert post("pause", who={}).status_code == 401
+    for who in (api.token("viewer1", "viewer"), api.token(NEWS_READER, "viewer")):
+        r = post("pause", who=who)
+        assert r.status_code == 403 and "may not edit" in r.json()["detail"]
+    viewer_page = api.get("/pin-nightly/", headers=api.token("viewer1", "viewer")).text
+    assert "form class='control'" not in viewer_page
+    assert news_db.q("SELECT * FROM pin_nightly.control_event") == []
+
+    r = post("pause")
+    assert r.status_code == 200 and r.json()["control"]["paused"] is True, r.text
+    page = api.get("/pin-nightly/", headers=admin).text
+    assert "paused</b> by admin" in page and "value='resume'" in page
+    r = post("settings", body={"settings": {"batch_size": 3}})
+    assert r.status_code == 200 and r.json()["control"]["settings"] == {"batch_size": 3}
+    r = post("settings", body={"settings": {"batch_size": 0}})
+    assert r.status_code == 422 and "batch_size" in r.json()["detail"]
+    assert post("halt").status_code == 422
+    assert (
+        api.post(f"/pin-nightly/api/sweeps/other_dag/{sweep}/pause", headers=admin).status_code
+        == 404
+    )
+    assert post("resume").status_code == 200
+    assert news_db.q(
+        "SELECT action, given_by FROM pin_nightly.control_event ORDER BY given_at"
+    ) == [("pause", "admin"), ("settings", "admin"), ("resume", "admin")]
+    # the sweep finished: closed to controls
+    assert_ok(run_dag(NEWS, {"scope": "FullSweep", "batch_size": 10, "max_ranges": 1}))
+    r = post("pause")
+    assert r.status_code == 409 and "not open" in r.json()["detail"]

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pin_nightly import health, sweeps
+from pin_nightly import controls, health, sweeps
 from pin_nightly.db import (
     DatabaseUnavailable,
     JobConfigError,
     connect,
+    connection,
     fetch_dicts,
     fetch_one_dict,
     resolve,
@@ -50,7 +51,8 @@ EXPECTED_COLUMNS = {
     + ("started_at",),
     "sweep_range": ("sweep_id", "range_no", "lower_id", "upper_id", "planned_rows", "cursor_id")
     + ("status", "owner", "rows_processed", "rows_changed", "batches", "skipped_locked")
-    + ("item_errors", "wrapped", "updated_at"),
+    + ("item_errors", "wrapped", "updated_at", "pauses", "paused_ms"),
+    "sweep_control": ("sweep_id", "paused", "settings", "updated_by", "updated_at"),
     "item_error": ("job", "run_id", "sweep_id", "item_id", "sqlstate", "message", "item_kind")
     + ("recorded_at",),
     "run_log": ("job", "run_id", "status", "result", "started_at", "finished_at"),
@@ -221,7 +223,6 @@ def _read(cur, job: ConsoleJob, days: int) -> dict[str, Any]:
         "item_errors": errors,
         "repair": repair(job, [e["item_id"] for e in errors]),
         "lease": lease,
-        "pauses": None,  # not recorded in the job database (the pauses metric counts them)
     }
 
 
@@ -351,6 +352,25 @@ def readable(user) -> list[ConsoleJob]:
     ]
 
 
+def may_edit(user, dag_id: str) -> bool:
+    """Whether the auth manager lets ``user`` edit the DAG (give its sweeps controls)."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    details = DagDetails(id=dag_id, team_name=_team(dag_id))
+    return get_auth_manager().is_authorized_dag(method="PUT", details=details, user=user)
+
+
+def give_control(dag_id: str, sweep_id: int, action: str, by: str, settings) -> controls.Control:
+    """A control of the job's open sweep, written on the job's own connection (not the
+    console's read-only one)."""
+    from pin_nightly import catalog, news
+
+    job = {j.dag_id: j for j in (news.JOB, catalog.JOB)}[dag_id]
+    with connection(job.conn_id) as conn:
+        return controls.give(conn, job, sweep_id, action, by, settings)
+
+
 # ------------------------------------------------------------------------------- the page
 
 
@@ -457,6 +477,36 @@ def _limit(s: dict[str, Any]) -> str:
     return f"{shown} <span class='muted'>({_e(s['param'])})</span>"
 
 
+def _pauses(s: dict[str, Any]) -> str:
+    if not s["pauses"]:
+        return "no pause so far"
+    by = ", ".join(f"{_e(k)} {v}" for k, v in sorted(s["pauses"].items()))
+    return f"paused {_duration(s['paused_ms'] / 1000)} so far ({by})"
+
+
+def _controls_html(state: dict[str, Any], s: dict[str, Any]) -> str:
+    """The sweep's controls now and, for a user allowed to edit the DAG, the forms to give
+    them (pin_nightly.controls: each range reads them before its next batch)."""
+    now = "running"
+    if s["paused"]:
+        now = f"<b class='over'>paused</b> by {_e(s['control_by'])} at {_when(s['control_at'])}"
+    if s["control_settings"]:
+        given = ", ".join(f"{_e(k)}={_e(v)}" for k, v in sorted(s["control_settings"].items()))
+        now += f"; settings given: {given} (by {_e(s['control_by'])})"
+    out = f"<p class='control'>Control: {now}</p>"
+    if not state.get("may_edit"):
+        return out
+    url = f"api/sweeps/{_e(state['dag_id'])}/{s['sweep_id']}"
+    action = "resume" if s["paused"] else "pause"
+    options = "".join(f"<option>{_e(k)}</option>" for k in controls.SETTINGS)
+    return out + (
+        f"<form class='control' data-url='{url}'><button name='action' value='{action}'>"
+        f"{action.capitalize()} sweep</button> <select name='setting'>{options}</select> "
+        "<input name='value' size='8' placeholder='value'> <button name='action' "
+        "value='settings'>Set</button> <span class='result'></span></form>"
+    )
+
+
 def job_html(state: dict[str, Any]) -> str:
     dag_id = state["dag_id"]
     head = (
@@ -505,8 +555,7 @@ def job_html(state: dict[str, Any]) -> str:
             f"<b>{s['share_done'] * 100:.1f} %</b> of {s['planned_rows']} planned rows done; "
             f"ranges {s['ranges_done']}/{s['ranges_total']} done; {rate} rows/s; time left at that "
             f"rate: {_duration(s['seconds_left'])}; item errors {s['item_errors']}, skipped "
-            f"locked {s['skipped_locked']}; pauses: not recorded in the job database (metric "
-            "pin_nightly_pauses_total by signal)</p>"
+            f"locked {s['skipped_locked']}; {_pauses(s)}</p>" + _controls_html(state, s)
         )
         rows = [
             [
@@ -560,6 +609,29 @@ section.job{border-top:2px solid #ddd}
 """
 
 
+# The control forms post JSON (a cross-site form cannot) and reload the page with the answer.
+CONTROL_JS = """
+document.querySelectorAll('form.control').forEach(function (form) {
+  form.addEventListener('submit', function (ev) {
+    ev.preventDefault();
+    var action = ev.submitter.value, body = {};
+    if (action === 'settings') {
+      var v = form.value.value.trim(), n = Number(v);
+      body.settings = {};
+      body.settings[form.setting.value] = v === 'true' ? true : v === 'false' ? false : n;
+    }
+    fetch(form.dataset.url + '/' + action, {method: 'POST', credentials: 'same-origin',
+      headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)})
+      .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
+      .then(function (a) {
+        form.querySelector('.result').textContent = a[0] ? 'done' : a[1].detail;
+        if (a[0]) { location.reload(); }
+      });
+  });
+});
+"""
+
+
 def page_html(states: list[dict[str, Any]]) -> str:
     sections = "".join(job_html(s) for s in states)
     at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -567,7 +639,7 @@ def page_html(states: list[dict[str, Any]]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>pin-nightly</title>"
         f"<style>{STYLE}</style><script src='static/plotly.min.js'></script></head><body>"
         f"<h1>pin-nightly</h1><p class='muted'>Read at {at}, read-only. Reload to refresh.</p>"
-        f"{sections}</body></html>"
+        f"{sections}<script>{CONTROL_JS}</script></body></html>"
     )
 
 
@@ -584,8 +656,10 @@ def plotly_js() -> bytes:
 
 def create_app():
     """The console's FastAPI app, which the API server mounts at :data:`URL_PREFIX`."""
+    from typing import Annotated
+
     from airflow.api_fastapi.core_api.security import GetUserDep
-    from fastapi import FastAPI, HTTPException
+    from fastapi import Body, FastAPI, HTTPException
     from fastapi.encoders import jsonable_encoder
     from fastapi.responses import HTMLResponse, JSONResponse, Response
 
@@ -595,7 +669,26 @@ def create_app():
         allowed = readable(user)
         if not allowed:
             raise HTTPException(403, "Forbidden: you may read neither pin-nightly DAG")
-        return [read_job(j) for j in allowed]
+        return [{**read_job(j), "may_edit": may_edit(user, j.dag_id)} for j in allowed]
+
+    @app.post("/api/sweeps/{dag_id}/{sweep_id}/{action}")
+    def control(
+        dag_id: str,
+        sweep_id: int,
+        action: str,
+        user: GetUserDep,
+        body: Annotated[dict | None, Body()] = None,
+    ) -> JSONResponse:
+        if dag_id not in {j.dag_id for j in jobs()}:
+            raise HTTPException(404, f"{dag_id} is not a pin-nightly DAG")
+        if not may_edit(user, dag_id):
+            raise HTTPException(403, f"Forbidden: you may not edit {dag_id}")
+        try:
+            settings = (body or {}).get("settings")
+            given = give_control(dag_id, sweep_id, action, user.get_name(), settings)
+        except controls.ControlError as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        return JSONResponse(jsonable_encoder({"sweep_id": sweep_id, "control": given.__dict__}))
 
     @app.get("/api/jobs")
     def api_jobs(user: GetUserDep) -> JSONResponse:

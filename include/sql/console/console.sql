@@ -29,20 +29,29 @@ SELECT s.sweep_id, s.scope, s.family, s.resumable, s.run_id, s.owner, s.started_
        coalesce(sum(r.item_errors), 0)::bigint AS item_errors,
        coalesce(sum(r.skipped_locked), 0)::bigint AS skipped_locked,
        max(r.updated_at) FILTER (WHERE r.owner = s.owner AND r.batches > 0) AS last_batch_at,
+       coalesce(sum(r.paused_ms), 0)::bigint AS paused_ms,
+       (SELECT coalesce(jsonb_object_agg(k, n), '{}'::jsonb)
+          FROM (SELECT p.key AS k, sum(p.value::int) AS n
+                  FROM pin_nightly.sweep_range q, jsonb_each_text(q.pauses) p
+                 WHERE q.sweep_id = s.sweep_id GROUP BY p.key) x) AS pauses,
+       c.paused, c.settings AS control_settings, c.updated_by AS control_by,
+       c.updated_at AS control_at,
        coalesce((SELECT l.acquired_at FROM pin_nightly.job_lease l WHERE l.holder = s.owner),
                 (SELECT g.started_at FROM pin_nightly.run_log g
                   WHERE g.job = s.job AND g.run_id = s.run_id),
                 s.started_at) AS working_since
   FROM pin_nightly.sweep s
   LEFT JOIN pin_nightly.sweep_range r ON r.sweep_id = s.sweep_id
+  LEFT JOIN pin_nightly.sweep_control c ON c.sweep_id = s.sweep_id
  WHERE s.job = %(job)s AND s.status = 'open'
- GROUP BY s.sweep_id
+ GROUP BY s.sweep_id, c.sweep_id
  ORDER BY s.sweep_id
 
 -- name: open_ranges
 SELECT r.sweep_id, r.range_no, r.lower_id::text AS lower_id, r.upper_id::text AS upper_id,
        r.cursor_id::text AS cursor_id, r.status, r.planned_rows, r.rows_processed,
-       r.rows_changed, r.batches, r.skipped_locked, r.item_errors, r.wrapped, r.updated_at
+       r.rows_changed, r.batches, r.skipped_locked, r.item_errors, r.wrapped, r.updated_at,
+       r.pauses, r.paused_ms
   FROM pin_nightly.sweep_range r
   JOIN pin_nightly.sweep s ON s.sweep_id = r.sweep_id
  WHERE s.job = %(job)s AND s.status = 'open'
