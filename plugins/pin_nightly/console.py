@@ -415,44 +415,17 @@ def figure_html(state: dict[str, Any]) -> str:
         vertical_spacing=0.08,
         subplot_titles=(state["work_label"], "item errors", "duration (min) against the budget"),
     )
-    fig.add_trace(
-        go.Bar(x=x, y=[n["work"] for n in nights], name=state["work_label"], hovertext=text),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(
-        go.Bar(
-            x=x,
-            y=[n["item_errors"] for n in nights],
-            name="item errors",
-            marker_color="#c0392b",
-            hovertext=text,
-        ),
-        row=2,
-        col=1,
-    )
-    fig.add_trace(
+    traces = [
+        go.Bar(name=state["work_label"], y=[n["work"] for n in nights]),
+        go.Bar(name="item errors", y=[n["item_errors"] for n in nights], marker_color="#c0392b"),
         go.Scatter(
-            x=x,
-            y=[n["duration_minutes"] for n in nights],
-            name="duration",
-            mode="lines+markers",
-            hovertext=text,
+            name="duration", y=[n["duration_minutes"] for n in nights], mode="lines+markers"
         ),
-        row=3,
-        col=1,
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=[x[0], x[-1]],
-            y=[state["budget_minutes"]] * 2,
-            name="budget",
-            mode="lines",
-            line={"dash": "dash", "color": "#7f8c8d"},
-        ),
-        row=3,
-        col=1,
-    )
+    ]
+    for row, trace in enumerate(traces, start=1):
+        fig.add_trace(trace.update(x=x, hovertext=text), row=row, col=1)
+    budget = go.Scatter(x=[x[0], x[-1]], y=[state["budget_minutes"]] * 2, name="budget")
+    fig.add_trace(budget.update(mode="lines", line={"dash": "dash", "color": "#7f8c8d"}), 3, 1)
     fig.update_layout(height=620, margin={"l": 50, "r": 20, "t": 40, "b": 30}, showlegend=False)
     div_id = f"nights-{state['dag_id']}"
     return fig.to_html(

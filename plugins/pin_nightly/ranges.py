@@ -183,26 +183,34 @@ def isolate_items(
 def _try_held(cur, held: list[str], apply) -> tuple[list[dict[str, Any]], list[str]]:
     """The rows held back, tried together in one statement: written once whatever rejected
     them is gone; otherwise all still failing, without a statement a row or a new record."""
+    out, exc = _savepointed(cur, held, apply)
+    if exc is None:
+        log.info("%d row(s) that failed before were written", len(held))
+        return out, []
+    log.warning(
+        "%d row(s) that failed before and are unchanged since still fail (%s); not tried one "
+        "by one (pin_nightly.item_error; retry_failed_rows does): %s",
+        len(held),
+        _first_line(exc),
+        " ".join(held[:20]) + (" ..." if len(held) > 20 else ""),
+    )
+    return [], held
+
+
+def _savepointed(cur, ids: list[str], apply) -> tuple[Any, BaseException | None]:
+    """``apply(ids)`` under a savepoint, released either way: its result and None, or None and
+    the item error it raised (rolled back); any other error is raised."""
     cur.execute(sql("common/savepoint_item"))
     try:
-        out = apply(held)
+        out = apply(ids)
     except Exception as exc:
         if not is_item_error(exc):
             raise
         cur.execute(sql("common/rollback_to_item"))
         cur.execute(sql("common/release_item"))
-        shown = " ".join(held[:20]) + (" ..." if len(held) > 20 else "")
-        log.warning(
-            "%d row(s) that failed before and are unchanged since still fail (%s); not tried "
-            "one by one (pin_nightly.item_error; retry_failed_rows does): %s",
-            len(held),
-            _first_line(exc),
-            shown,
-        )
-        return [], held
+        return None, exc
     cur.execute(sql("common/release_item"))
-    log.info("%d row(s) that failed before were written", len(held))
-    return out, []
+    return out, None
 
 
 def _held_back(cur, record: dict[str, Any], ids: list[str]) -> list[str]:
@@ -222,24 +230,17 @@ def _isolate(
     record: dict[str, Any],
     item: str,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    cur.execute(sql("common/savepoint_item"))
-    try:
-        out = apply(ids)
-    except Exception as exc:
-        if not is_item_error(exc):
-            raise
-        cur.execute(sql("common/rollback_to_item"))
-        cur.execute(sql("common/release_item"))
-        if len(ids) == 1:
-            _record_item_error(cur, record, item, ids[0], exc)
-            return [], list(ids)
-        log.warning("%d rows failed on a row (%s): isolating it by halves", len(ids), exc)
-        half = len(ids) // 2
-        first, failed = _isolate(cur, ids[:half], apply, record, item)
-        second, more = _isolate(cur, ids[half:], apply, record, item)
-        return first + second, failed + more
-    cur.execute(sql("common/release_item"))
-    return out, []
+    out, exc = _savepointed(cur, ids, apply)
+    if exc is None:
+        return out, []
+    if len(ids) == 1:
+        _record_item_error(cur, record, item, ids[0], exc)
+        return [], list(ids)
+    log.warning("%d rows failed on a row (%s): isolating it by halves", len(ids), exc)
+    half = len(ids) // 2
+    first, failed = _isolate(cur, ids[:half], apply, record, item)
+    second, more = _isolate(cur, ids[half:], apply, record, item)
+    return first + second, failed + more
 
 
 def _first_line(exc: BaseException) -> str:
