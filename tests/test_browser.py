@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -28,7 +28,7 @@ from pin_nightly.sweeps import range_label
 from tests import helpers
 from tests.conftest import SUFFIX
 from tools import devenv
-from tools.stack import Stack, free_port, stack_env
+from tools import stack as stacks
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -53,26 +53,8 @@ RUN_TIMEOUT = 240_000  # ms: a DAG run on a busy 2-core machine
 expect.set_options(timeout=30_000)
 
 
-class LoginStack(Stack):
-    """The stack behind the simple auth manager's login: REST calls carry the user's token."""
-
-    def __init__(self, home: Path, env: dict[str, str], username: str, password: str):
-        super().__init__(home, env)
-        self.username, self.password = username, password
-        self._token: str | None = None
-
-    def token(self) -> str:
-        if self._token is None:
-            self._token = self.request(
-                "POST", "/auth/token", {"username": self.username, "password": self.password}
-            )["access_token"]
-        return self._token
-
-    def headers(self, path: str) -> dict[str, str]:
-        headers = super().headers(path)
-        if not path.startswith(("/api/v2/monitor/", "/auth/token")):
-            headers["Authorization"] = f"Bearer {self.token()}"
-        return headers
+class LoginStack(stacks.LoginStack):
+    """The login stack, with what the browser test asks of it."""
 
     def manual_runs(self, dag_id: str) -> int:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns?run_type=manual")["total_entries"]
@@ -87,24 +69,13 @@ def stack(pg_admin):
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     news_dsn, _, metadata_dsn, conns = helpers.stack_databases("web")
-    password = secrets.token_urlsafe(18)
-    passwords_file = home / "simple_auth_manager_passwords.json"
-    passwords_file.write_text(json.dumps({USER: password}) + "\n")
-    env = stack_env(
-        home,
-        metadata_dsn,
-        free_port(),
-        {
-            **conns,
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
-            "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
-            # unpaused below, once the api-server answers: a task queued before it listens fails
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-        },
-    )
-    s = LoginStack(home, env, USER, password)
+    env = {
+        **conns,
+        "PIN_NEWS_COMMENT_RECONCILE_RUN_DEADLINE_SECONDS": "2",
+        # unpaused below, once the api-server answers: a task queued before it listens fails
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+    }
+    s = stacks.login_stack(home, metadata_dsn, env, USER, cls=LoginStack)
     try:
         s.start()
         s.wait_for_dags([NEWS, CATALOG])
@@ -541,3 +512,60 @@ def test_a_missed_deadline_shows_on_the_run_page(page, stack, shots, sweep_run):
     expect(stat).to_contain_text("run_over_budget")
     expect(stat).to_contain_text(re.compile(r"Finished \d\d:\d\d:\d\d after deadline"))
     shots(page, "news-run-missed-deadline")
+
+
+def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, shots):
+    """Browse > pin-nightly, inside the UI: a FullSweep running slowly (each post update takes
+    0.2 s), paused from the page (no batch while paused), resumed, and finished with every
+    count exact; the nights' plots and the post a trigger rejects, with its repair conf; the
+    page refused to a browser that is not logged in."""
+    db = stack.news
+    stack.wait_idle([NEWS, CATALOG])
+    db.q("TRUNCATE news.posts, news.comments")
+    ids = db.posts(60, drift_every=1)
+    db.fail_updates_of(ids[59], errcode="raise_exception")  # the last one: an item error
+    db.q(
+        "CREATE OR REPLACE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_sleep(0.2); RETURN NEW; END $$"
+    )
+    db.q("CREATE TRIGGER slow BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION slow()")
+    rows = "SELECT coalesce(sum(rows_processed), 0) FROM pin_nightly.sweep_range r "
+    rows += "JOIN pin_nightly.sweep s USING (sweep_id) WHERE s.run_id = %s"
+    try:
+        conf = {"scope": "FullSweep", "batch_size": 2, "max_ranges": 1}
+        run_id = stack.trigger(NEWS, conf)
+        helpers.wait_for(lambda: db.one(rows, run_id) >= 4, timeout=120, poll=0.2)
+        page.goto("/plugin/pin-nightly")
+        console = page.frame_locator("iframe")
+        sweep = console.locator(f"#{NEWS} .sweep").first
+        expect(sweep).to_contain_text("FullSweep")
+        sweep.get_by_role("button", name="Pause sweep").click()
+        expect(console.locator(f"#{NEWS} .sweep").first).to_contain_text("paused by admin")
+        shots(page, "console-sweep-paused")
+        paused_at = db.one(rows, run_id)
+        time.sleep(8)  # four rechecks: no batch while paused
+        assert db.one(rows, run_id) <= paused_at + 2  # at most the batch under way then
+        console.locator(f"#{NEWS} .sweep").first.get_by_role("button", name="Resume sweep").click()
+        assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000) == "success"
+    finally:
+        db.q("DROP TRIGGER IF EXISTS slow ON news.posts")
+        db.allow_updates()
+    assert db.drifted_posts() == 1  # the rejected post, and only it
+    summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
+    assert [c["action"] for c in summary["controls"]] == ["pause", "resume"], summary
+    assert summary["posts_reconciled"] == 59 and summary["item_errors"] == 1, summary
+    page.goto("/plugin/pin-nightly")
+    console = page.frame_locator("iframe")
+    expect(console.locator(f"#nights-{NEWS} .plot-container")).to_be_visible()
+    errors = console.locator(f"#{NEWS} table.errors")
+    expect(errors).to_contain_text(ids[59])
+    expect(console.locator(f"#{NEWS} pre.conf")).to_contain_text(ids[59])
+    shots(page, "console")
+    # a browser that is not logged in gets no page
+    context = browser.new_context(base_url=stack.base)
+    try:
+        anonymous = context.new_page()
+        response = anonymous.goto("/pin-nightly/")
+        assert response.status == 401 and NEWS not in anonymous.content()
+    finally:
+        context.close()

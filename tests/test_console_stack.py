@@ -6,52 +6,19 @@ ran, read through a ``news_db_readonly`` connection kept in the metadata databas
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
-import urllib.error
-import urllib.request
 
 import pytest
 
 from tests import helpers
 from tests.conftest import SUFFIX
 from tools import devenv
-from tools.stack import Stack, free_port, stack_env
+from tools.stack import login_stack
 
 pytestmark = pytest.mark.stack  # real Airflow components: make test-all
 
 NEWS = "news_comment_reconcile"
 USER = "admin"
-
-
-class LoginStack(Stack):
-    """The stack behind the simple auth manager's login: calls carry the user's token."""
-
-    def __init__(self, home, env, password: str):
-        super().__init__(home, env)
-        self.password = password
-        self._token: str | None = None
-
-    def token(self) -> str:
-        if self._token is None:
-            body = {"username": USER, "password": self.password}
-            self._token = self.request("POST", "/auth/token", body)["access_token"]
-        return self._token
-
-    def headers(self, path: str) -> dict[str, str]:
-        headers = super().headers(path)
-        if not path.startswith(("/api/v2/monitor/", "/auth/token")):
-            headers["Authorization"] = f"Bearer {self.token()}"
-        return headers
-
-    def fetch(self, path: str, token: bool = True) -> tuple[int, str]:
-        headers = {"Authorization": f"Bearer {self.token()}"} if token else {}
-        req = urllib.request.Request(self.base + path, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
 
 
 @pytest.fixture(scope="module")
@@ -60,21 +27,7 @@ def stack(pg_admin):
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     news_dsn, _, metadata_dsn, conns = helpers.stack_databases("console")
-    password = secrets.token_urlsafe(18)
-    passwords_file = home / "simple_auth_manager_passwords.json"
-    passwords_file.write_text(json.dumps({USER: password}) + "\n")
-    env = stack_env(
-        home,
-        metadata_dsn,
-        free_port(),
-        {
-            **conns,
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
-        },
-    )
-    s = LoginStack(home, env, password)
+    s = login_stack(home, metadata_dsn, conns, USER)
     try:
         s.prepare()
         # the console's connection, in the metadata database (not the environment)

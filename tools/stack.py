@@ -322,3 +322,56 @@ class CeleryStack(Stack):
         stop_all(self.workers.values())
         self.workers.clear()
         super().stop()
+
+
+class LoginStack(Stack):
+    """The stack behind the simple auth manager's login (see :func:`login_stack`): REST calls
+    carry the user's token."""
+
+    def __init__(self, home: Path, env: dict[str, str], username: str, password: str):
+        super().__init__(home, env)
+        self.username, self.password = username, password
+        self._token: str | None = None
+
+    def token(self) -> str:
+        if self._token is None:
+            self._token = self.request(
+                "POST", "/auth/token", {"username": self.username, "password": self.password}
+            )["access_token"]
+        return self._token
+
+    def headers(self, path: str) -> dict[str, str]:
+        headers = super().headers(path)
+        if not path.startswith(("/api/v2/monitor/", "/auth/token")):
+            headers["Authorization"] = f"Bearer {self.token()}"
+        return headers
+
+    def fetch(self, path: str, token: bool = True) -> tuple[int, str]:
+        """GET ``path`` as the user (``token``) or anonymously: the status and the body."""
+        headers = {"Authorization": f"Bearer {self.token()}"} if token else {}
+        req = urllib.request.Request(self.base + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+
+def login_stack(
+    home: Path, metadata_dsn: str, env: dict[str, str], username: str = "admin", cls=LoginStack
+) -> LoginStack:
+    """A stack (a ``cls``) whose UI asks for a login: ``username`` (role admin) with a password
+    generated for this run, written to the simple auth manager's passwords file before the
+    start."""
+    import secrets
+
+    password = secrets.token_urlsafe(18)
+    passwords_file = home / "simple_auth_manager_passwords.json"
+    passwords_file.write_text(json.dumps({username: password}) + "\n")
+    login = {
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{username}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
+    }
+    full = stack_env(home, metadata_dsn, free_port(), {**login, **env})
+    return cls(home, full, username, password)
