@@ -179,3 +179,47 @@ def test_a_control_of_a_sweep_not_open_or_of_another_job_is_refused(news_db):
         controls.give(conn, catalog.JOB, done, "pause", "anna")  # news's sweep, asked as catalog
     assert refused.value.status == 404
     assert db.q("SELECT * FROM pin_nightly.control_event") == []
+
+
+def test_an_adaptive_batch_size_follows_the_batch_time(news_db):
+    """batch_target_ms: each post update takes 20 ms, the target is 100 ms: from 20 posts a
+    batch (400 ms) the size halves, then settles near 5; it never leaves batch_size / 8 to
+    batch_size * 8, and the run is exact."""
+    db = news_db
+    db.posts(60, drift_every=1)
+    db.q(
+        "CREATE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$"
+    )
+    db.q("CREATE TRIGGER slow BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION slow()")
+    sizes: list[int] = []
+    conf = {**FULL, "batch_size": 20, "batch_target_ms": 100}
+    with after_each_batch(lambda b: sizes.append(b.counters.processed)):
+        s = assert_ok(run_dag(NEWS, conf, logical_date=night(db.today() - timedelta(days=1))))
+    assert s["status"] == "success" and db.drifted_posts() == 0, s
+    assert sizes[0] == 20 and sizes[1] == 10, sizes  # 400 ms: halved (no more a step)
+    assert all(2 <= n <= 10 for n in sizes[2:-1]), sizes  # near the target, within bounds
+    assert sum(sizes) == 60
+
+
+def test_a_statement_timeout_halves_an_adaptive_batch_and_tries_it_again(news_db):
+    """A batch that hits the session's statement_timeout is rolled back, halved and tried
+    again; without a target batch time the same timeout fails the range."""
+    db = news_db
+    db.posts(8, drift_every=1)
+    db.q(
+        "CREATE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$"
+    )
+    db.q("CREATE TRIGGER slow BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION slow()")
+    # the job's sessions: 8 posts take 2.4 s, over it; 2 posts 0.6 s
+    db.q("SELECT set_config('x.db', current_database(), false)")
+    db.q(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 1000', "
+        "current_setting('x.db')); END $$"
+    )
+    conf = {**FULL, "batch_size": 8}
+    failed = run_dag(NEWS, conf, logical_date=night(db.today() - timedelta(days=2)))
+    assert failed["tasks"]["reconcile_range[0]"] == "failed" and db.drifted_posts() == 8
+    s = assert_ok(run_dag(NEWS, {**conf, "batch_target_ms": 500}))
+    assert s["status"] == "success" and db.drifted_posts() == 0, s

@@ -183,6 +183,16 @@ def common_params(
             description=ids_description,
         ),
         "dry_run": Param(False, type="boolean", description=dry_run_description),
+        "batch_target_ms": Param(
+            0,
+            type="integer",
+            minimum=0,
+            maximum=60_000,
+            description="Batch time each range aims at, in ms: after each full batch its "
+            "batch size moves toward it (at most 1.5x up, at most halved down a step, halved on "
+            "a statement or lock timeout), within batch_size / 8 and batch_size * 8; 0 keeps "
+            "batch_size",
+        ),
         "retry_failed_rows": Param(
             False,
             type="boolean",

@@ -133,6 +133,7 @@ class Batch:
     last_id: str | None = None
     full: bool = False
     skipped_ids: list[str] = field(default_factory=list)
+    ms: float = 0.0  # how long its transaction took, pacing not included
 
     def checkpoint(self) -> Counters:
         """What the batch adds to its range's counters."""
@@ -355,6 +356,7 @@ def run_range(
 
 
 def _work_range(work: _Range, row, batch_size: int, stop, res: RangeResult) -> RangeResult:
+    size = BatchSize(batch_size, float(work.job.opts.get("batch_target_ms") or 0))
     with transaction(work.conn) as cur:
         first = work.job.remembered(cur, row["lower_id"], row["upper_id"])
     if first:
@@ -362,7 +364,7 @@ def _work_range(work: _Range, row, batch_size: int, stop, res: RangeResult) -> R
             "range %s: takes first %d row(s) an earlier night left locked", work.label, len(first)
         )
         res += _retry_skipped(work, first, stop, first=True)
-    res, skipped = _work_batches(work, row, batch_size, stop, res)
+    res, skipped = _work_batches(work, row, size, stop, res)
     if res.status == "done":
         res += _retry_skipped(work, skipped, stop)
         with transaction(work.conn) as cur:
@@ -502,8 +504,45 @@ def _resume_point(row: dict[str, Any]) -> tuple[str | None, str | None, bool]:
     return row["cursor_id"] or row["lower_id"], wrap_at or row["upper_id"], True
 
 
+# What a statement or lock timeout of a batch says with an adaptive batch size: too big a batch.
+BATCH_TIMEOUTS = ("57014", LOCK_NOT_AVAILABLE)  # query_canceled (statement_timeout), lock_timeout
+
+
+@dataclass
+class BatchSize:
+    """The rows of a range's next batch: the run's ``batch_size`` (``start``), or one given
+    from the console. With a target batch time (``target_ms``, the param
+    ``batch_target_ms``; 0: off) it follows the database: after each full batch it moves
+    toward the target (at most 1.5x up, at most halved down a step), it halves on a statement
+    or lock timeout (the batch is tried again), within ``start / 8`` and ``start * 8``."""
+
+    start: int
+    target_ms: float = 0
+    now: int = 0
+
+    def __post_init__(self) -> None:
+        self.now = self.now or self.start
+        self.low, self.high = max(1, self.start // 8), self.start * 8
+
+    def size(self, ctl: controls.Control) -> int:
+        return int(ctl.settings.get("batch_size", self.now))
+
+    def after(self, b: Batch, ms: float) -> None:
+        if self.target_ms and b.full and ms > 0:  # a short batch (a range's end) says nothing
+            factor = min(1.5, max(0.5, self.target_ms / ms))
+            self.now = min(self.high, max(self.low, round(self.now * factor)))
+
+    def timed_out(self, exc: BaseException) -> bool:
+        """After a batch failed with ``exc``: whether to try it again, halved."""
+        if not self.target_ms or sqlstate(exc) not in BATCH_TIMEOUTS or self.now <= self.low:
+            return False
+        self.now = max(self.low, self.now // 2)
+        log.warning("batch timed out (%s): batch size halved to %d", sqlstate(exc), self.now)
+        return True
+
+
 def _work_batches(
-    work: _Range, row: dict[str, Any], batch_size: int, stop, res: RangeResult
+    work: _Range, row: dict[str, Any], size: BatchSize, stop, res: RangeResult
 ) -> tuple[RangeResult, list[str]]:
     """The range's batches from its cursor to its end, the deadline or a stop; the rows skipped."""
     cursor, upper, wrapped = _resume_point(row)
@@ -512,29 +551,15 @@ def _work_batches(
         limits = dict(work.health.limits)
         work.health.refresh = lambda: setattr(work.health, "limits", work.control().limits(limits))
     while True:
-        if stop.requested:
-            res.status = "stopped"
-            break
-        ctl = work.control()  # the console's controls, before each batch
-        if ctl.paused:
-            ctl = work.wait_resumed(ctl, stop)
-            if ctl is None:
-                res.status = "stopped" if stop.requested else "interrupted"
-                break
-        paused = work.pace(stop)  # outside any transaction
-        if stop.requested:
-            continue
-        started = time.monotonic()
-        b, renew_due = work.batch(cursor, upper, ctl.batch_size(batch_size), paused)
+        b, renew_due, res.status = _next_batch(work, cursor, upper, size, stop)
         if b is None:
-            res.status = "interrupted"
             break
         if renew_due:
             leases.renew(work.conn, work.lease)
         if b.last_id is not None:
             cursor = b.last_id
             skipped.extend(b.skipped_ids)
-            res += _log_batch(work, b, started)
+            res += _log_batch(work, b)
         if not b.full:
             if wrapped:
                 break
@@ -546,7 +571,35 @@ def _work_batches(
     return res, skipped
 
 
-def _log_batch(work: _Range, b: Batch, started: float) -> Counters:
+def _next_batch(
+    work: _Range, cursor, upper, size: BatchSize, stop
+) -> tuple[Batch | None, bool, str]:
+    """The range's next batch after the controls and the pacing: the batch (None: none, the
+    range stops), whether the lease is due for renewal, and the range's status."""
+    while True:
+        if stop.requested:
+            return None, False, "stopped"
+        ctl = work.control()  # the console's controls, before each batch
+        if ctl.paused and (ctl := work.wait_resumed(ctl, stop)) is None:
+            return None, False, "stopped" if stop.requested else "interrupted"
+        paused = work.pace(stop)  # outside any transaction
+        if stop.requested:
+            continue
+        started = time.monotonic()
+        try:
+            b, renew_due = work.batch(cursor, upper, size.size(ctl), paused)
+        except Exception as exc:
+            if size.timed_out(exc):
+                continue
+            raise
+        if b is None:
+            return None, False, "interrupted"
+        b.ms = (time.monotonic() - started) * 1000
+        size.after(b, b.ms)
+        return b, renew_due, "done"
+
+
+def _log_batch(work: _Range, b: Batch) -> Counters:
     done = b.checkpoint()
     log.info(
         "batch processed: range=%s rows=%d changed=%d skipped_locked=%d cursor=%s lock_ms=%.1f",
@@ -555,7 +608,7 @@ def _log_batch(work: _Range, b: Batch, started: float) -> Counters:
         done.changed,
         done.skipped_locked,
         b.last_id,
-        (time.monotonic() - started) * 1000,
+        b.ms,
     )
     return done
 
