@@ -78,6 +78,11 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
         "airflow.news_comment_reconcile_errors_total:0|c",
         "airflow.catalog_popularity_recompute_errors_total:0|c",
         "airflow.news_comment_reconcile_drift_corrected_total:1|c",
+        # the post's stored count was too high: a correction down
+        "airflow.news_comment_reconcile_drift_total,direction=down:1|c",
+        "airflow.news_comment_reconcile_drift_total,direction=up:0|c",
+        "airflow.news_comment_reconcile_last_run_drift,direction=down:1|g",
+        "airflow.news_comment_reconcile_last_run_drift,direction=up:0|g",
         "airflow.news_comment_reconcile_backlog_remaining:0|g",
         "airflow.news_comment_reconcile_drift_alert_threshold:1000|g",
         "airflow.catalog_popularity_recompute_snapshots_total,op=written:1|c",
@@ -86,6 +91,7 @@ def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
         assert line in text, f"{line} not in {packets[:50]}"
     # the summary run again sent no counter, and the same last-success time
     assert text.count("airflow.news_comment_reconcile_drift_corrected_total:") == 1
+    assert text.count("airflow.news_comment_reconcile_drift_total,direction=down:") == 1
     assert text.count("airflow.news_comment_reconcile_run_duration_ms:") == 1
     success = [p for p in packets if "news_comment_reconcile_last_success_timestamp" in p]
     assert len(success) == 2 and len(set(success)) == 1, success

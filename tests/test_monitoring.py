@@ -320,11 +320,19 @@ def test_prometheus_scrapes_the_exporter_and_loads_the_rules(prometheus):
 
 # ------------------------------------------------------------------------------- alerts
 SEVERITIES = {"critical", "warning", "info"}
-RUNBOOK = "docs/runbook.md#runbook"
+RUNBOOK = REPO / "docs" / "runbook.md"
+
+
+def runbook_anchors() -> set[str]:
+    """The anchors of the runbook's headings, as GitHub makes them (lower case): a rule links
+    to the page (``#runbook``, its title) or to its own section (``#<AlertName>``)."""
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", RUNBOOK.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
 def test_every_alert_has_severity_summary_description_and_runbook(alerts):
     problems = []
+    anchors = runbook_anchors()
     names = [a["alert"] for a in alerts]
     problems += [f"duplicate alert name {n}" for n in sorted(set(names)) if names.count(n) > 1]
     for a in alerts:
@@ -338,8 +346,12 @@ def test_every_alert_has_severity_summary_description_and_runbook(alerts):
             if not str(ann.get(key, "")).strip():
                 problems.append(f"{where}: no {key} annotation")
         runbook = ann.get("runbook_url") or ann.get("runbook")
-        if not runbook or RUNBOOK not in runbook:
-            problems.append(f"{where}: runbook annotation {runbook!r} does not point at {RUNBOOK}")
+        link = re.fullmatch(r"docs/runbook\.md#(\S+)", str(runbook))
+        if not link or link.group(1).lower() not in anchors:
+            problems.append(
+                f"{where}: runbook annotation {runbook!r} does not point at a heading of "
+                f"{RUNBOOK.relative_to(REPO)}"
+            )
         try:
             seconds(a.get("for"))
         except AssertionError:
@@ -406,6 +418,13 @@ SPEC_ALERTS = {
     # compares with the run's own threshold, emitted as a gauge
     "news: drift above the threshold in a run": lambda a, e: re.search(
         rf"\b{NEWS}_last_run_drift_corrected\s*>\s*{NEWS}_drift_alert_threshold\b", e
+    ),
+    # most of a night's corrections of one sign, and several times the median night of a week
+    "news: one-sided drift several times a usual night": lambda a, e: (
+        re.search(rf"\b{NEWS}_last_run_drift\b", e)
+        and re.search(
+            rf"quantile_over_time\(\s*0\.5\s*,\s*{NEWS}_last_run_drift_corrected\[7d\]\s*\)", e
+        )
     ),
     "news: no successful run for more than 26 h": _no_success(NEWS),
     "news: errors_total grows": _errors_grow(NEWS),

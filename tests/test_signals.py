@@ -136,3 +136,95 @@ def test_a_summary_cleared_after_a_newer_run_counts_nothing_of_it(news_db, monke
     assert late["tasks"]["summarize"] == "success"
     sent = signals(db, old["run_id"])
     assert sent[CORRECTED] == 0 and DRIFT not in sent and sent["alert"] is None
+
+
+# Corrections by sign: up, the stored count was too low; down, it was too high.
+BY_DIRECTION = {
+    "counter": "news_comment_reconcile_drift_total",
+    "gauge": "news_comment_reconcile_last_run_drift",
+}
+UP_DOWN = (
+    "SELECT count(*) FILTER (WHERE count_to > count_from), "
+    "count(*) FILTER (WHERE count_to < count_from) FROM pin_nightly.news_drift WHERE NOT dry_run"
+)
+
+
+def by_direction(db, run_id: str) -> dict:
+    """The per-direction counters and gauges a run's summary stored: ``{"counter up": n, ...}``;
+    a gauge the run did not set is absent."""
+    [(sent,)] = db.q("SELECT signals FROM pin_nightly.run_signal WHERE run_id = %s", run_id)
+    out = {}
+    for kind, sent_as in (("counter", ("counters", "run_totals")), ("gauge", ("gauges",))):
+        for name, value, tags in (m for key in sent_as for m in sent[key]):
+            if name == BY_DIRECTION[kind]:
+                out[f"{kind} {tags['direction']}"] = value
+    return out
+
+
+def drifted(db, ups: int, downs: int) -> None:
+    """Posts whose stored count is too low (up) and too high (down), created alternately (up
+    first) so that every batch of two holds one of each while both last."""
+    for i in range(max(ups, downs)):
+        if i < ups:
+            db.post(count=0, visible=2)
+        if i < downs:
+            db.post(count=5, visible=2)
+
+
+def counted_by_direction(db) -> tuple[int, int]:
+    """What every summary so far counted, up and down."""
+    rows = db.q(
+        "SELECT c->2->>'direction', sum((c->>1)::int) FROM pin_nightly.run_signal, "
+        "jsonb_array_elements(signals->'counters') c "
+        "WHERE c->>0 = 'news_comment_reconcile_drift_total' GROUP BY 1"
+    )
+    sums = dict(rows)
+    return sums.get("up", 0), sums.get("down", 0)
+
+
+def test_a_night_counts_its_corrections_by_direction(news_db):
+    db = news_db
+    assert_ok(nightly(D))
+    drifted(db, ups=3, downs=2)
+    db.posts(2)  # in step: nothing to correct
+    night_run = nightly(D + timedelta(1))
+    assert assert_ok(night_run)["drift_corrected"] == 5
+    sent = by_direction(db, night_run["run_id"])
+    assert sent == {"counter up": 3, "counter down": 2, "gauge up": 3, "gauge down": 2}
+    assert signals(db, night_run["run_id"])[DRIFT] == 5  # the night's total: their sum
+
+    # a targeted repair counts its correction by direction and sets no gauge
+    [target] = db.posts(1, drift_every=1)
+    repair = run_dag(NEWS, {"post_ids": [target]})
+    assert_ok(repair)
+    assert by_direction(db, repair["run_id"]) == {"counter up": 0, "counter down": 1}
+
+    # the next night: one lost increment of its own, the repair's correction aside
+    drifted(db, ups=1, downs=0)
+    later = nightly(D + timedelta(LATER))
+    sent = by_direction(db, later["run_id"])
+    assert sent == {"counter up": 1, "counter down": 0, "gauge up": 1, "gauge down": 0}
+    assert counted_by_direction(db) == tuple(db.q(UP_DOWN)[0]) == (4, 3)
+
+
+def test_a_run_that_dies_mid_sweep_and_the_next_count_each_direction_once(news_db, monkeypatch):
+    db = news_db
+    assert_ok(nightly(D))
+    drifted(db, ups=4, downs=2)
+    inject(monkeypatch, "pin_nightly.news.make_batch", "mid_batch")
+    failed = nightly(D + timedelta(1))
+    assert failed["state"] == "failed" and failed["tasks"]["summarize"] == "upstream_failed"
+    # its first batch committed one correction of each sign, which its summary never counted
+    assert db.q(UP_DOWN + " AND run_id = %s", failed["run_id"]) == [(1, 1)]
+    assert not db.q("SELECT 1 FROM pin_nightly.run_signal WHERE run_id = %s", failed["run_id"])
+    monkeypatch.undo()
+    adopter = nightly(D + timedelta(2))
+    assert assert_ok(adopter)["drift_corrected"] == 4 and db.drifted_posts() == 0
+    sent = by_direction(db, adopter["run_id"])
+    assert sent == {"counter up": 4, "counter down": 2, "gauge up": 4, "gauge down": 2}
+
+    # a night after: nothing new in either direction, and nothing counted twice
+    quiet = nightly(D + timedelta(3))
+    sent = by_direction(db, quiet["run_id"])
+    assert sent == {"counter up": 0, "counter down": 0, "gauge up": 0, "gauge down": 0}
+    assert counted_by_direction(db) == tuple(db.q(UP_DOWN)[0]) == (4, 2)

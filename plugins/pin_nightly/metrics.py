@@ -27,6 +27,12 @@ METRICS: dict[str, Metric] = {
     f"{NEWS}_drift_corrected_total": Metric(
         "counter", "comments_count values corrected, counted once from pin_nightly.news_drift"
     ),
+    f"{NEWS}_drift_total": Metric(
+        "counter",
+        "comments_count values corrected by direction (up: was too low, down: was too high), "
+        "counted once from pin_nightly.news_drift",
+        frozenset({"direction"}),
+    ),
     f"{NEWS}_errors_total": Metric("counter", "failed or retried task attempts"),
     f"{NEWS}_config_errors_total": Metric("counter", "manual runs refused for their conf"),
     f"{NEWS}_run_duration_ms": Metric("timer", "time from the lease to the summary"),
@@ -36,6 +42,11 @@ METRICS: dict[str, Metric] = {
     ),
     f"{NEWS}_last_run_drift_corrected": Metric(
         "gauge", "posts corrected since the previous nightly summary, targeted repairs aside"
+    ),
+    f"{NEWS}_last_run_drift": Metric(
+        "gauge",
+        "posts corrected since the previous nightly summary by direction, targeted repairs aside",
+        frozenset({"direction"}),
     ),
     f"{NEWS}_drift_alert_threshold": Metric(
         "gauge", "the last nightly run's drift_alert_threshold"

@@ -402,7 +402,10 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     counted = fetch_one_dict(cur)
     threshold = opts["drift_alert_threshold"]
     signals = runs.Signals(
-        counters=[[f"{METRIC}_drift_corrected_total", counted["corrected"], None]],
+        counters=[
+            [f"{METRIC}_drift_corrected_total", counted["corrected"], None],
+            *_by_direction(f"{METRIC}_drift_total", counted, "corrected"),
+        ],
         run_totals=[
             [f"{METRIC}_posts_reconciled_total", result["posts_reconciled"], None],
             # posts a batch could not write (pin_nightly.item_error); failed tasks count apart
@@ -412,7 +415,7 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     )
     if nightly:
         drift, since = counted["nightly"], "since the previous nightly run's summary"
-        signals.gauges += _nightly_gauges(result, drift, threshold)
+        signals.gauges += _nightly_gauges(result, counted, threshold)
     else:
         drift, since = counted["own"], "in this run"
     # success means the nightly work was done: not a targeted repair, nothing left behind
@@ -424,14 +427,26 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     return signals
 
 
-def _nightly_gauges(result: dict[str, Any], drift: int, threshold: int) -> list:
-    """The gauges that describe the nightly work, which the alert rules compare."""
+def _nightly_gauges(result: dict[str, Any], counted: dict[str, int], threshold: int) -> list:
+    """The gauges that describe the nightly work, which the alert rules compare: the night's
+    corrections (``counted`` by ``news/drift_counted``), in all and by direction."""
     return [
         [f"{METRIC}_posts_skipped_locked", result["posts_skipped_locked"], None],
-        [f"{METRIC}_last_run_drift_corrected", drift, None],
+        [f"{METRIC}_last_run_drift_corrected", counted["nightly"], None],
+        *_by_direction(f"{METRIC}_last_run_drift", counted, "nightly"),
         # the nightly's threshold, so that the rule compares with it, not a copied number
         [f"{METRIC}_drift_alert_threshold", threshold, None],
     ]
+
+
+# The sign of a correction: up, the stored count was too low (the hot path lost increments);
+# down, it was too high (the hot path counted a comment twice).
+DIRECTIONS = ("up", "down")
+
+
+def _by_direction(name: str, counted: dict[str, int], window: str) -> list:
+    """The metric ``name`` once per direction, from the ``<window>_<direction>`` counts."""
+    return [[name, counted[f"{window}_{d}"], {"direction": d}] for d in DIRECTIONS]
 
 
 def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
