@@ -219,11 +219,52 @@ def bench_hotpath(args, dsns: dict, pools: dict) -> dict:
     return out
 
 
+# news FullSweep batch sizes against the adaptive one: item -> (batch_size, batch_target_ms)
+BATCH_CONFIGS = {
+    "static_500": (500, 0),
+    "static_2000": (2000, 0),
+    "static_8000": (8000, 0),
+    "adaptive_200ms": (2000, 200),
+}
+
+
+def bench_batch_sizes(args, dsns: dict, pools: dict) -> dict:
+    """A news FullSweep in one range with the hot path on, at static batch sizes and with an
+    adaptive one (``batch_target_ms``): the run's rows a second and the hot path's latency."""
+    out: dict[str, list] = {k: [] for k in BATCH_CONFIGS}
+    for rep in range(args.reps):
+        for item, (size, target) in BATCH_CONFIGS.items():
+            data.reage_news(dsns["news"])
+            data.reset_news(dsns["news"])
+            hp = runners.HotPath({"news": dsns["news"]}, args.rate)
+            gate = wait_quiet(max_wait=QUIET_WAIT[0])
+            extra = {"batch_size": size, "batch_target_ms": target}
+            with hp:
+                t0 = time.time()
+                r = runners.run_news(pools["news"][1], "FullSweep", 1, extra=extra)
+                t1 = time.time()
+            res = hp.results["news"]
+            lat = runners.latency(res.between(t0, t1), hp.lock_waits["news"], res.aborted)
+            batches = r["batch_ms"]
+            out[item].append(
+                {"rep": rep, "gate": gate, "seconds": r["seconds"], "rows": r["rows"]}
+                | {"rows_per_s": r["rows"] / r["seconds"], "batches": len(batches)}
+                | {"batch_ms_p50": pct(batches, 50), "batch_ms_max": max(batches, default=0)}
+                | {"hot_p50": lat["p50"], "hot_p99": lat["p99"]}
+                | {"job_lock_max": lat["job_lock_max"]}
+            )
+            log.info("batch size %s rep %d: %s", item, rep + 1, out[item][-1])
+            data.reset_news(dsns["news"], hotpath_since=hp.started)
+    return out
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="1 = 1M posts / 305k cards")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
-    ap.add_argument("--jobs", default="news,catalog,hotpath", help="what to measure")
+    ap.add_argument(
+        "--jobs", default="news,catalog,hotpath", help="what to measure (also: batchsize)"
+    )
     ap.add_argument("--rate", type=float, default=100, help="hot-path tx/s of each kind")
     ap.add_argument("--quiet-wait", type=float, default=60, help="max s to wait for idle CPUs")
     ap.add_argument("--regenerate", action="store_true", help="regenerate the data sets")
@@ -258,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         conn.execute("SELECT pg_reload_conf()")
     # the data sets measured: the hot path uses both databases
     needed = [j for j in ("news", "catalog") if j in jobs or "hotpath" in jobs]
+    if "batchsize" in jobs and "news" not in needed:
+        needed.append("news")
     ensure = {"news": data.ensure_news, "catalog": data.ensure_catalog}
     meta = {job: ensure[job](args.scale, args.regenerate) for job in needed}
     dsns = {job: devenv.dsn_for(db_name(job, args.scale)) for job in needed}
@@ -281,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                 dump_json(path, results)
         if "hotpath" in jobs:
             results["hotpath"] = bench_hotpath(args, dsns, pools)
+            dump_json(path, results)
+        if "batchsize" in jobs:
+            results["batchsize"] = bench_batch_sizes(args, dsns, pools)
             dump_json(path, results)
         if "catalog" in jobs:
             results["catalog"]["items"].update(bench_retention(dsns["catalog"]))

@@ -124,12 +124,15 @@ def _pacing(paced: bool) -> dict:
     return {lim.param: (False if lim.default is True else 0) for lim in health.LIMITS}
 
 
-def run_news(pool: Pool, scope: str, n_ranges: int, paced: bool = False) -> dict:
+def run_news(
+    pool: Pool, scope: str, n_ranges: int, paced: bool = False, extra: dict | None = None
+) -> dict:
     from pin_nightly import jobs, news, runs
 
     instant = datetime.now(UTC)
     run_id = _run_id(instant)
     params = {"scope": scope, "max_ranges": n_ranges, **BIG_BUDGET, **_pacing(paced)}
+    params.update(extra or {})
     t0 = time.perf_counter()
     opts = news.validate_options({**params, "drift_alert_threshold": 10**9}, instant)
     lease = jobs.acquire_lease(news.JOB, opts, run_id)
