@@ -17,7 +17,8 @@ VERSION = 4  # rows identical to the generator of version 4: its data is reused
 CATALOG_VERSION = 5  # the snapshot table partitioned by night (version 4: one table)
 PIN_TABLES = (
     "pin_nightly.job_lease, pin_nightly.sweep, pin_nightly.sweep_range, pin_nightly.run_log, "
-    "pin_nightly.news_drift, pin_nightly.news_window_candidate, pin_nightly.news_skipped_post"
+    "pin_nightly.news_drift, pin_nightly.news_window_candidate, pin_nightly.news_skipped_post, "
+    "pin_nightly.sweep_control, pin_nightly.control_event"
 )
 PIN_VACUUM = "VACUUM ANALYZE pin_nightly.sweep, pin_nightly.sweep_range, pin_nightly.job_lease"
 CARDS = (("PropertyObject", "catalog.property_object_cards"), ("Project", "catalog.project_cards"))
