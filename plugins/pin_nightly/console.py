@@ -303,25 +303,19 @@ def pacing(row: dict[str, Any]) -> list[dict[str, Any]]:
             None if row["archive_backlog"] is not None else "archive_mode off, or none archived",
         ),
     }
-    out = []
-    for lim in health.LIMITS:
-        value, about = now.get(lim.signal, (None, "measured by a running range only"))
-        over = (
-            bool(lim.default)
-            and value is not None
-            and (value if isinstance(value, bool) else value > lim.default)
-        )
-        out.append(
-            {
-                "signal": lim.signal,
-                "param": lim.param,
-                "limit": lim.default,
-                "value": value,
-                "about": about,
-                "over": bool(over),
-            }
-        )
-    return out
+    return [_signal_now(lim, *now.get(lim.signal, (None, RANGE_ONLY))) for lim in health.LIMITS]
+
+
+RANGE_ONLY = "measured by a running range only"
+
+
+def _signal_now(lim: health.Limit, value, about) -> dict[str, Any]:
+    limit = lim.default
+    over = (
+        bool(limit) and value is not None and (value if isinstance(value, bool) else value > limit)
+    )
+    row = {"signal": lim.signal, "param": lim.param, "limit": limit}
+    return {**row, "value": value, "about": about, "over": bool(over)}
 
 
 # ------------------------------------------------------------------------------- access
@@ -361,14 +355,19 @@ def may_edit(user, dag_id: str) -> bool:
     return get_auth_manager().is_authorized_dag(method="PUT", details=details, user=user)
 
 
-def give_control(dag_id: str, sweep_id: int, action: str, by: str, settings) -> controls.Control:
-    """A control of the job's open sweep, written on the job's own connection (not the
-    console's read-only one)."""
+def give_control(user, dag_id: str, sweep_id: int, action: str, settings) -> controls.Control:
+    """A control of the job's open sweep by ``user``, written on the job's own connection (not
+    the console's read-only one); :class:`controls.ControlError` for an unknown DAG (404) or a
+    user who may not edit it (403)."""
     from pin_nightly import catalog, news
 
-    job = {j.dag_id: j for j in (news.JOB, catalog.JOB)}[dag_id]
+    job = {j.dag_id: j for j in (news.JOB, catalog.JOB)}.get(dag_id)
+    if job is None:
+        raise controls.ControlError(f"{dag_id} is not a pin-nightly DAG", 404)
+    if not may_edit(user, dag_id):
+        raise controls.ControlError(f"Forbidden: you may not edit {dag_id}", 403)
     with connection(job.conn_id) as conn:
-        return controls.give(conn, job, sweep_id, action, by, settings)
+        return controls.give(conn, job, sweep_id, action, user.get_name(), settings)
 
 
 # ------------------------------------------------------------------------------- the page
@@ -489,85 +488,84 @@ def job_html(state: dict[str, Any]) -> str:
     )
     if state["state"] != "ok":
         return head + f"<div class='alert {state['state']}'>{_e(state['message'])}</div></section>"
-    parts = [head]
-    lease = state["lease"]
-    if lease:
-        live = "held" if lease["live"] else "expired"
-        parts.append(
-            f"<p><b>Lease</b> {live} by <code>{_e(lease['holder'])}</code> since "
-            f"{_when(lease['acquired_at'])}, expires {_when(lease['expires_at'])}, run deadline "
-            f"{_when(lease['run_deadline_at'])}</p>"
-        )
-    else:
-        parts.append("<p><b>Lease</b> free: no run holds it</p>")
-    rows = [
-        [
-            f"<code>{_e(s['signal'])}</code>",
-            _signal_value(s),
-            _limit(s),
-            "<b class='over'>over</b>" if s["over"] else "ok",
-        ]
-        for s in state["signals"]
-    ]
-    parts.append("<h3>Pacing signals now</h3>" + _table(["signal", "now", "limit", ""], rows))
-    if state.get("signals_error"):
-        parts.append(f"<p class='muted'>Not readable here: {_e(state['signals_error'])}</p>")
-    parts.append(
-        "<p class='muted'>Limits are the DAG params' defaults; a run given others paces on "
-        "those.</p>"
-    )
+    parts = [head, _lease_html(state["lease"]), _signals_html(state)]
     parts.append(f"<h3>Open sweeps ({len(state['sweeps'])})</h3>")
     if not state["sweeps"]:
         parts.append("<p class='muted'>None: every sweep is done.</p>")
-    for s in state["sweeps"]:
-        rate = f"{s['rows_per_second']:.1f}" if s["rows_per_second"] else "no batch yet"
-        parts.append(
-            f"<div class='sweep'><p><b>{_e(s['scope'])}</b> (sweep {s['sweep_id']}, "
-            f"{'resumable' if s['resumable'] else 'not resumable'}) started "
-            f"{_when(s['started_at'])}, owner <code>{_e(s['owner'])}</code><br>"
-            f"<b>{s['share_done'] * 100:.1f} %</b> of {s['planned_rows']} planned rows done; "
-            f"ranges {s['ranges_done']}/{s['ranges_total']} done; {rate} rows/s; time left at that "
-            f"rate: {_duration(s['seconds_left'])}; item errors {s['item_errors']}, skipped "
-            f"locked {s['skipped_locked']}; {_pauses(s)}</p>" + _controls_html(state, s)
-        )
-        rows = [
-            [
-                _e(r["label"]),
-                _e(r["status"]),
-                f"{r['rows_processed']} / {r['planned_rows']}",
-                _e(r["rows_changed"]),
-                _e(r["batches"]),
-                f"<code>{_e(r['cursor_id'] or 'start')}</code>",
-                _when(r["updated_at"]),
-            ]
-            for r in s["ranges"]
-        ]
-        head_r = ["range", "state", "rows checked / planned", "changed", "batches", "cursor"]
-        parts.append(_table([*head_r, "updated"], rows, "ranges") + "</div>")
+    parts += [_sweep_html(state, s) for s in state["sweeps"]]
     parts.append(f"<h3>Last {NIGHTS} nights</h3>" + figure_html(state))
-    errors = state["item_errors"]
-    parts.append(f"<h3>Item errors still open ({len(errors)})</h3>")
-    if errors:
-        fix = state["repair"]
-        conf = json.dumps(fix["conf"], indent=1)
-        rows = [
-            [
-                f"<code>{_e(e['item_id'])}</code> {_e(e['item_kind'])}",
-                f"<code>{_e(e['sqlstate'])}</code> {_e(e['message'])}",
-                _when(e["recorded_at"]),
-                _e(e["run_id"]),
-            ]
-            for e in errors
-        ]
-        parts.append(_table(["row", "error", "recorded", "run"], rows, "errors"))
-        parts.append(
-            f"<p class='repair'><a href='{_e(fix['dag_url'])}'>Targeted repair: "
-            f"open {_e(dag_id)} and Trigger</a> with this configuration (Advanced options, "
-            f"Configuration JSON):</p><pre class='conf'>{_e(conf)}</pre>"
-        )
-    else:
-        parts.append("<p class='muted'>None.</p>")
+    parts.append(_errors_html(state))
     return "".join(parts) + "</section>"
+
+
+def _lease_html(lease: dict[str, Any] | None) -> str:
+    if not lease:
+        return "<p><b>Lease</b> free: no run holds it</p>"
+    live = "held" if lease["live"] else "expired"
+    return (
+        f"<p><b>Lease</b> {live} by <code>{_e(lease['holder'])}</code> since "
+        f"{_when(lease['acquired_at'])}, expires {_when(lease['expires_at'])}, run deadline "
+        f"{_when(lease['run_deadline_at'])}</p>"
+    )
+
+
+def _signals_html(state: dict[str, Any]) -> str:
+    rows = [
+        [f"<code>{_e(s['signal'])}</code>", _signal_value(s), _limit(s)]
+        + ["<b class='over'>over</b>" if s["over"] else "ok"]
+        for s in state["signals"]
+    ]
+    out = "<h3>Pacing signals now</h3>" + _table(["signal", "now", "limit", ""], rows)
+    if state.get("signals_error"):
+        out += f"<p class='muted'>Not readable here: {_e(state['signals_error'])}</p>"
+    return out + (
+        "<p class='muted'>Limits are the DAG params' defaults; a run given others paces on "
+        "those.</p>"
+    )
+
+
+def _sweep_html(state: dict[str, Any], s: dict[str, Any]) -> str:
+    rate = f"{s['rows_per_second']:.1f}" if s["rows_per_second"] else "no batch yet"
+    rows = [
+        [_e(r["label"]), _e(r["status"]), f"{r['rows_processed']} / {r['planned_rows']}"]
+        + [_e(r["rows_changed"]), _e(r["batches"]), f"<code>{_e(r['cursor_id'] or 'start')}</code>"]
+        + [_when(r["updated_at"])]
+        for r in s["ranges"]
+    ]
+    head = ["range", "state", "rows checked / planned", "changed", "batches", "cursor", "updated"]
+    return (
+        f"<div class='sweep'><p><b>{_e(s['scope'])}</b> (sweep {s['sweep_id']}, "
+        f"{'resumable' if s['resumable'] else 'not resumable'}) started "
+        f"{_when(s['started_at'])}, owner <code>{_e(s['owner'])}</code><br>"
+        f"<b>{s['share_done'] * 100:.1f} %</b> of {s['planned_rows']} planned rows done; "
+        f"ranges {s['ranges_done']}/{s['ranges_total']} done; {rate} rows/s; time left at that "
+        f"rate: {_duration(s['seconds_left'])}; item errors {s['item_errors']}, skipped "
+        f"locked {s['skipped_locked']}; {_pauses(s)}</p>"
+        + _controls_html(state, s)
+        + _table(head, rows, "ranges")
+        + "</div>"
+    )
+
+
+def _errors_html(state: dict[str, Any]) -> str:
+    errors = state["item_errors"]
+    out = f"<h3>Item errors still open ({len(errors)})</h3>"
+    if not errors:
+        return out + "<p class='muted'>None.</p>"
+    fix = state["repair"]
+    rows = [
+        [f"<code>{_e(e['item_id'])}</code> {_e(e['item_kind'])}"]
+        + [f"<code>{_e(e['sqlstate'])}</code> {_e(e['message'])}"]
+        + [_when(e["recorded_at"]), _e(e["run_id"])]
+        for e in errors
+    ]
+    return (
+        out
+        + _table(["row", "error", "recorded", "run"], rows, "errors")
+        + f"<p class='repair'><a href='{_e(fix['dag_url'])}'>Targeted repair: open "
+        f"{_e(state['dag_id'])} and Trigger</a> with this configuration (Advanced options, "
+        f"Configuration JSON):</p><pre class='conf'>{_e(json.dumps(fix['conf'], indent=1))}</pre>"
+    )
 
 
 STYLE = """
@@ -652,13 +650,9 @@ def create_app():
         user: GetUserDep,
         body: Annotated[dict | None, Body()] = None,
     ) -> JSONResponse:
-        if dag_id not in {j.dag_id for j in jobs()}:
-            raise HTTPException(404, f"{dag_id} is not a pin-nightly DAG")
-        if not may_edit(user, dag_id):
-            raise HTTPException(403, f"Forbidden: you may not edit {dag_id}")
         try:
             settings = (body or {}).get("settings")
-            given = give_control(dag_id, sweep_id, action, user.get_name(), settings)
+            given = give_control(user, dag_id, sweep_id, action, settings)
         except controls.ControlError as exc:
             raise HTTPException(exc.status, str(exc)) from None
         return JSONResponse(jsonable_encoder({"sweep_id": sweep_id, "control": given.__dict__}))

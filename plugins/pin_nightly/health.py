@@ -295,11 +295,7 @@ class Health:
         names what waits in the log (``range ...``, ``retention``)."""
         pause = Pause()
         step, started = FIRST_PAUSE_S, time.monotonic()
-        while True:
-            if self.refresh is not None:
-                self.refresh()  # limits given mid-run take effect while it waits
-            if not self.on:
-                break
+        while self._refreshed().on:  # limits given mid-run take effect while it waits
             over, left = self.read(conn, lease, budget_share)
             if not over:
                 if pause.signals:
@@ -331,6 +327,11 @@ class Health:
             step = min(step * 2, MAX_PAUSE_S)
         pause.seconds = time.monotonic() - started if pause.signals else 0.0
         return pause
+
+    def _refreshed(self) -> Health:
+        if self.refresh is not None:
+            self.refresh()
+        return self
 
     def _count(self, pause: Pause, over: list[Reading]) -> None:
         """Note the signals a pause is for, each counted once in the pauses metric."""

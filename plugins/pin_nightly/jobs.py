@@ -183,23 +183,7 @@ def common_params(
             description=ids_description,
         ),
         "dry_run": Param(False, type="boolean", description=dry_run_description),
-        "batch_target_ms": Param(
-            0,
-            type="integer",
-            minimum=0,
-            maximum=60_000,
-            description="Batch time each range aims at, in ms: after each full batch its "
-            "batch size moves toward it (at most 1.5x up, at most halved down a step, halved on "
-            "a statement or lock timeout), within batch_size / 8 and batch_size * 8; 0 keeps "
-            "batch_size",
-        ),
-        "retry_failed_rows": Param(
-            False,
-            type="boolean",
-            description="Try again the rows that failed before and are unchanged since "
-            "(pin_nightly.item_error): a run holds them back otherwise, until their row changes "
-            "(a targeted repair always tries its ids)",
-        ),
+        **batch_params(),
         "max_ranges": Param(
             8,
             type="integer",
@@ -216,6 +200,31 @@ def common_params(
             "rows a batch could not write (pin_nightly.item_error)"
         ),
         **pace_params(),
+    }
+
+
+def batch_params() -> dict[str, Any]:
+    """How a range sizes its batches and treats the rows that failed before."""
+    from airflow.sdk import Param
+
+    return {
+        "batch_target_ms": Param(
+            0,
+            type="integer",
+            minimum=0,
+            maximum=60_000,
+            description="Batch time each range aims at, in ms: after each full batch its "
+            "batch size moves toward it (at most 1.5x up, at most halved down a step, halved on "
+            "a statement or lock timeout), within batch_size / 8 and batch_size * 8; 0 keeps "
+            "batch_size",
+        ),
+        "retry_failed_rows": Param(
+            False,
+            type="boolean",
+            description="Try alone again each row that failed before and is unchanged since "
+            "(pin_nightly.item_error); otherwise a batch tries such rows together, in one "
+            "statement, and records nothing new (a targeted repair always tries its ids alone)",
+        ),
     }
 
 

@@ -390,15 +390,8 @@ def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly:
     run that died before its summary is counted by the next one. The gauges that the alert
     rules compare describe the nightly work: only a nightly run sets them, with the drift
     corrected since the previous nightly summary."""
-    cur.execute(
-        sql("news/drift_counted"),
-        {
-            "since_any": window.since_any,
-            "since_nightly": window.since_nightly,
-            "through": window.through,
-            "acquired_at": window.acquired_at,
-        },
-    )
+    keys = ("since_any", "since_nightly", "through", "acquired_at")
+    cur.execute(sql("news/drift_counted"), {k: getattr(window, k) for k in keys})
     counted = fetch_one_dict(cur)
     threshold = opts["drift_alert_threshold"]
     signals = runs.Signals(

@@ -177,18 +177,7 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", job.code, LOCK_HELD)
         else:
-            totals, result["unfinished_sweeps"] = finish_run(conn, run)
-            if given := controls.events_of_run(conn, run.run_id, run.lease.acquired_at):
-                result["controls"] = given  # from the console, with who and when
-            job.count(run, totals, result)
-            result["backlog_remaining"] = bool(result["unfinished_sweeps"])
-            if result["backlog_remaining"]:
-                result["status"] = "backlog_remaining"
-            result["history_pruned"] = prune_history(conn, run)
-            failed = _mostly_failed(conn, run, result)
-            job.settle(conn, run, result)
-            result["status"] = failed or result["status"]
-            result["duration_ms"] = elapsed_ms(run.lease)
+            _count_run(conn, run, result)
             if not run.dry_run:  # a dry run sends nothing
                 signals = summary_signals(conn, run, functools.partial(job.signals, run, result))
         write_run_log(conn, run, result)
@@ -205,6 +194,22 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
 
         raise AirflowFailException(f"{job.code}: {result['status']} (pin_nightly.item_error)")
     return result
+
+
+def _count_run(conn, run: Run, result: dict[str, Any]) -> None:
+    """What the run did (over all its acquisitions), what is left, its status."""
+    totals, result["unfinished_sweeps"] = finish_run(conn, run)
+    if given := controls.events_of_run(conn, run.run_id, run.held().acquired_at):
+        result["controls"] = given  # from the console, with who and when
+    run.job.count(run, totals, result)
+    result["backlog_remaining"] = bool(result["unfinished_sweeps"])
+    if result["backlog_remaining"]:
+        result["status"] = "backlog_remaining"
+    result["history_pruned"] = prune_history(conn, run)
+    failed = _mostly_failed(conn, run, result)
+    run.job.settle(conn, run, result)
+    result["status"] = failed or result["status"]
+    result["duration_ms"] = elapsed_ms(run.lease)
 
 
 # A run in which most of the rows it tried failed (and at least this many) is not a success: a
