@@ -517,8 +517,8 @@ def test_a_missed_deadline_shows_on_the_run_page(page, stack, shots, sweep_run):
 def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, shots):
     """Browse > pin-nightly, inside the UI: a FullSweep running slowly (each post update takes
     0.2 s), paused from the page (no batch while paused), resumed, and finished with every
-    count exact; the nights' plots and the post a trigger rejects, with its repair conf; the
-    page refused to a browser that is not logged in."""
+    count exact; the nights' plots and the post a trigger rejects, repaired from the page's
+    prefilled repair form; the page refused to a browser that is not logged in."""
     db = stack.news
     stack.wait_idle([NEWS, CATALOG])
     db.q("TRUNCATE news.posts, news.comments")
@@ -559,8 +559,17 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
     expect(console.locator(f"#nights-{NEWS} .plot-container")).to_be_visible()
     errors = console.locator(f"#{NEWS} table.errors")
     expect(errors).to_contain_text(ids[59])
-    expect(console.locator(f"#{NEWS} pre.conf")).to_contain_text(ids[59])
+    repair = console.locator(f"#{NEWS} form.repair")
+    expect(repair.locator("textarea")).to_have_value(re.compile(ids[59]))
     shots(page, "console")
+    # the rule is gone (above): the repair form triggers a targeted run that writes the post
+    repair.get_by_role("button", name="Trigger the repair").click()
+    expect(repair.locator(".result")).to_contain_text("triggered: ")
+    repair_run = repair.locator(".result").inner_text().removeprefix("triggered: ").strip()
+    assert stack.wait_run(NEWS, repair_run, timeout=RUN_TIMEOUT / 1000) == "success"
+    assert db.drifted_posts() == 0
+    logged = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", repair_run)
+    assert logged["scope"] == "Targeted" and logged["drift_corrected"] == 1, logged
     # a browser that is not logged in gets no page
     context = browser.new_context(base_url=stack.base)
     try:

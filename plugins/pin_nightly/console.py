@@ -273,8 +273,9 @@ def _night(job: ConsoleJob, n: dict[str, Any]) -> dict[str, Any]:
 
 
 def repair(job: ConsoleJob, ids: list[str]) -> dict[str, Any] | None:
-    """Where and what to trigger to repair ``ids``: the DAG's page (its Trigger button opens
-    the form) and the conf the form takes (Advanced options, Configuration JSON)."""
+    """What to trigger to repair ``ids``: the DAG's page and the conf of a targeted repair
+    (the page's repair form sends it; Airflow 3.3's own trigger form takes no conf from a
+    URL)."""
     if not ids:
         return None
     return {"dag_url": f"/dags/{job.dag_id}", "conf": {job.ids_param: sorted(set(ids))}}
@@ -559,12 +560,19 @@ def _errors_html(state: dict[str, Any]) -> str:
         + [_when(e["recorded_at"]), _e(e["run_id"])]
         for e in errors
     ]
-    return (
-        out
-        + _table(["row", "error", "recorded", "run"], rows, "errors")
-        + f"<p class='repair'><a href='{_e(fix['dag_url'])}'>Targeted repair: open "
-        f"{_e(state['dag_id'])} and Trigger</a> with this configuration (Advanced options, "
-        f"Configuration JSON):</p><pre class='conf'>{_e(json.dumps(fix['conf'], indent=1))}</pre>"
+    conf = _e(json.dumps(fix["conf"], indent=1))
+    out += _table(["row", "error", "recorded", "run"], rows, "errors")
+    if not state.get("may_edit"):
+        return out + (
+            f"<p class='repair'>A targeted repair of these rows: trigger "
+            f"<a href='{_e(fix['dag_url'])}'>{_e(state['dag_id'])}</a> with</p>"
+            f"<pre class='conf'>{conf}</pre>"
+        )
+    return out + (
+        f"<form class='repair' data-dag='{_e(state['dag_id'])}'><p>A targeted repair of these "
+        "rows: the run's conf, as the DAG's trigger form would send it</p>"
+        f"<textarea name='conf' class='conf' rows='6' cols='70'>{conf}</textarea><br>"
+        "<button>Trigger the repair</button> <span class='result'></span></form>"
     )
 
 
@@ -603,6 +611,25 @@ document.querySelectorAll('form.control').forEach(function (form) {
 """
 
 
+# The repair form triggers a run of the DAG through Airflow's REST API, as the user.
+REPAIR_JS = """
+document.querySelectorAll('form.repair').forEach(function (form) {
+  form.addEventListener('submit', function (ev) {
+    ev.preventDefault();
+    var out = form.querySelector('.result'), conf;
+    try { conf = JSON.parse(form.conf.value); } catch (e) { out.textContent = e; return; }
+    fetch('/api/v2/dags/' + form.dataset.dag + '/dagRuns', {method: 'POST',
+      credentials: 'same-origin', headers: {'Content-Type': 'application/json'},
+      body: JSON.stringify({logical_date: null, conf: conf})})
+      .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
+      .then(function (a) {
+        out.textContent = a[0] ? 'triggered: ' + a[1].dag_run_id : JSON.stringify(a[1].detail);
+      });
+  });
+});
+"""
+
+
 def page_html(states: list[dict[str, Any]]) -> str:
     sections = "".join(job_html(s) for s in states)
     at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -610,7 +637,7 @@ def page_html(states: list[dict[str, Any]]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>pin-nightly</title>"
         f"<style>{STYLE}</style><script src='static/plotly.min.js'></script></head><body>"
         f"<h1>pin-nightly</h1><p class='muted'>Read at {at}, read-only. Reload to refresh.</p>"
-        f"{sections}<script>{CONTROL_JS}</script></body></html>"
+        f"{sections}<script>{CONTROL_JS}{REPAIR_JS}</script></body></html>"
     )
 
 
@@ -626,21 +653,51 @@ def plotly_js() -> bytes:
 
 
 def create_app():
-    """The console's FastAPI app, which the API server mounts at :data:`URL_PREFIX`."""
-    from typing import Annotated
+    """The console's FastAPI app, which the API server mounts at :data:`URL_PREFIX`: the page,
+    its JSON, plotly.js, and the controls."""
+    from fastapi import FastAPI
 
+    app = FastAPI(title="pin-nightly console", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_pages(app)
+    _add_controls(app)
+    return app
+
+
+def _states(user) -> list[dict[str, Any]]:
+    from fastapi import HTTPException
+
+    allowed = readable(user)
+    if not allowed:
+        raise HTTPException(403, "Forbidden: you may read neither pin-nightly DAG")
+    return [{**read_job(j), "may_edit": may_edit(user, j.dag_id)} for j in allowed]
+
+
+def _add_pages(app) -> None:
     from airflow.api_fastapi.core_api.security import GetUserDep
-    from fastapi import Body, FastAPI, HTTPException
     from fastapi.encoders import jsonable_encoder
     from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-    app = FastAPI(title="pin-nightly console", docs_url=None, redoc_url=None, openapi_url=None)
+    @app.get("/api/jobs")
+    def api_jobs(user: GetUserDep) -> JSONResponse:
+        return JSONResponse(jsonable_encoder({"jobs": _states(user)}))
 
-    def states(user) -> list[dict[str, Any]]:
-        allowed = readable(user)
-        if not allowed:
-            raise HTTPException(403, "Forbidden: you may read neither pin-nightly DAG")
-        return [{**read_job(j), "may_edit": may_edit(user, j.dag_id)} for j in allowed]
+    @app.get("/", response_class=HTMLResponse)
+    def page(user: GetUserDep) -> HTMLResponse:
+        return HTMLResponse(page_html(_states(user)))
+
+    @app.get("/static/plotly.min.js")
+    def plotly() -> Response:
+        headers = {"Cache-Control": "public, max-age=86400"}
+        return Response(plotly_js(), media_type="application/javascript", headers=headers)
+
+
+def _add_controls(app) -> None:
+    from typing import Annotated
+
+    from airflow.api_fastapi.core_api.security import GetUserDep
+    from fastapi import Body, HTTPException
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import JSONResponse
 
     @app.post("/api/sweeps/{dag_id}/{sweep_id}/{action}")
     def control(
@@ -656,18 +713,3 @@ def create_app():
         except controls.ControlError as exc:
             raise HTTPException(exc.status, str(exc)) from None
         return JSONResponse(jsonable_encoder({"sweep_id": sweep_id, "control": given.__dict__}))
-
-    @app.get("/api/jobs")
-    def api_jobs(user: GetUserDep) -> JSONResponse:
-        return JSONResponse(jsonable_encoder({"jobs": states(user)}))
-
-    @app.get("/", response_class=HTMLResponse)
-    def page(user: GetUserDep) -> HTMLResponse:
-        return HTMLResponse(page_html(states(user)))
-
-    @app.get("/static/plotly.min.js")
-    def plotly() -> Response:
-        headers = {"Cache-Control": "public, max-age=86400"}
-        return Response(plotly_js(), media_type="application/javascript", headers=headers)
-
-    return app
