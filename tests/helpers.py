@@ -152,6 +152,15 @@ class NewsDB:
     def allow_updates(self, table: str = "news.posts") -> None:
         self.q(f"DROP TRIGGER IF EXISTS fail_one ON {table}")
         self.q(f"DROP TRIGGER IF EXISTS reject_all ON {table}")
+        self.q(f"DROP TRIGGER IF EXISTS slow ON {table}")
+
+    def slow_updates(self, seconds: float, table: str = "news.posts") -> None:
+        """Every UPDATE of ``table`` takes ``seconds`` more (a trigger; see allow_updates)."""
+        self.q(
+            "CREATE OR REPLACE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$ BEGIN PERFORM pg_sleep({float(seconds)}); RETURN NEW; END $$"
+        )
+        self.q(f"CREATE TRIGGER slow BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION slow()")
 
     def reject_all_updates(self, table: str) -> None:
         """A CHECK-like trigger rejects every UPDATE of ``table`` (SQLSTATE check_violation);

@@ -524,11 +524,7 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(60, drift_every=1)
     db.fail_updates_of(ids[59], errcode="raise_exception")  # the last one: an item error
-    db.q(
-        "CREATE OR REPLACE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
-        "$$ BEGIN PERFORM pg_sleep(0.2); RETURN NEW; END $$"
-    )
-    db.q("CREATE TRIGGER slow BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION slow()")
+    db.slow_updates(0.2)
     rows = "SELECT coalesce(sum(rows_processed), 0) FROM pin_nightly.sweep_range r "
     rows += "JOIN pin_nightly.sweep s USING (sweep_id) WHERE s.run_id = %s"
     try:
@@ -548,7 +544,6 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
         console.locator(f"#{NEWS} .sweep").first.get_by_role("button", name="Resume sweep").click()
         assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000) == "success"
     finally:
-        db.q("DROP TRIGGER IF EXISTS slow ON news.posts")
         db.allow_updates()
     assert db.drifted_posts() == 1  # the rejected post, and only it
     summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)

@@ -187,11 +187,7 @@ def test_an_adaptive_batch_size_follows_the_batch_time(news_db):
     batch_size * 8, and the run is exact."""
     db = news_db
     db.posts(60, drift_every=1)
-    db.q(
-        "CREATE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
-        "$$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$"
-    )
-    db.q("CREATE TRIGGER slow BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION slow()")
+    db.slow_updates(0.02)
     sizes: list[int] = []
     conf = {**FULL, "batch_size": 20, "batch_target_ms": 100}
     with after_each_batch(lambda b: sizes.append(b.counters.processed)):
@@ -207,11 +203,7 @@ def test_a_statement_timeout_halves_an_adaptive_batch_and_tries_it_again(news_db
     again; without a target batch time the same timeout fails the range."""
     db = news_db
     db.posts(8, drift_every=1)
-    db.q(
-        "CREATE FUNCTION public.slow() RETURNS trigger LANGUAGE plpgsql AS "
-        "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$"
-    )
-    db.q("CREATE TRIGGER slow BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION slow()")
+    db.slow_updates(0.3)
     # the job's sessions: 8 posts take 2.4 s, over it; 2 posts 0.6 s
     db.q("SELECT set_config('x.db', current_database(), false)")
     db.q(

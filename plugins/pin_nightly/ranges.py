@@ -156,13 +156,13 @@ def is_item_error(exc: BaseException) -> bool:
     return bool(state) and state[:2] in ITEM_ERROR_CLASSES
 
 
-def isolate_items(
-    cur,
-    ids: list[str],
-    apply: Callable[[list[str]], list[dict[str, Any]]],
-    record: dict[str, Any],
-    item: str,
-) -> tuple[list[dict[str, Any]], list[str]]:
+# apply(ids) writes the rows ``ids`` and returns what it wrote; an isolation returns that and
+# the ids that failed
+Apply = Callable[[list[str]], list[dict[str, Any]]]
+Isolated = tuple[list[dict[str, Any]], list[str]]
+
+
+def isolate_items(cur, ids: list[str], apply: Apply, record: dict, item: str) -> Isolated:
     """``apply(ids)`` in the batch's transaction, under a savepoint; when a row makes it fail
     (an item error), the ids are halved and each half applied the same way, down to the rows
     that fail alone (about 2 k log n statements for k bad rows among n, not n). Those are
@@ -181,7 +181,7 @@ def isolate_items(
     return out, failed
 
 
-def _try_held(cur, held: list[str], apply) -> tuple[list[dict[str, Any]], list[str]]:
+def _try_held(cur, held: list[str], apply: Apply) -> Isolated:
     """The rows held back, tried together in one statement: written once whatever rejected
     them is gone; otherwise all still failing, without a statement a row or a new record."""
     out, exc = _savepointed(cur, held, apply)
@@ -224,13 +224,7 @@ def table_sql(name: str, table: str) -> str:
     return sql(name).replace("{item_table}", table)
 
 
-def _isolate(
-    cur,
-    ids: list[str],
-    apply: Callable[[list[str]], list[dict[str, Any]]],
-    record: dict[str, Any],
-    item: str,
-) -> tuple[list[dict[str, Any]], list[str]]:
+def _isolate(cur, ids: list[str], apply: Apply, record: dict, item: str) -> Isolated:
     out, exc = _savepointed(cur, ids, apply)
     if exc is None:
         return out, []
