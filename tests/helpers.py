@@ -557,3 +557,18 @@ def skip_module(reason: str) -> None:
     """Skip the calling test module, printing why (a tool it needs is missing)."""
     print(f"\n[skip] {reason}")
     pytest.skip(reason, allow_module_level=True)
+
+
+def require_tool(name: str, what: str, package: str | None = None) -> str:
+    """The path of the system tool ``name`` (Debian's ``package``), or the calling module
+    skipped, saying what needs it and how to install it."""
+    import shutil
+
+    path = shutil.which(name)
+    if path is None:
+        package = package or name
+        skip_module(
+            f"{name} is not installed: {what} (apt-get install {package}; .ci/run installs it "
+            "when CI=true)"
+        )
+    return path

@@ -37,12 +37,7 @@ except ImportError:
         "Playwright for Python is not installed (make setup installs it from requirements-dev.txt)"
     )
 
-CHROMIUM = shutil.which("chromium")
-if CHROMIUM is None:
-    helpers.skip_module(
-        "chromium is not installed: the browser test drives Debian's package (apt-get install "
-        "chromium; .ci/run installs it when CI=true)"
-    )
+CHROMIUM = helpers.require_tool("chromium", "the browser test drives Debian's package")
 
 pytestmark = pytest.mark.stack  # real Airflow components: make test-all
 

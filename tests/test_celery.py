@@ -36,12 +36,9 @@ from tools import devenv
 from tools.datagen import copy_rows
 from tools.stack import CeleryStack, Redis, celery_settings, free_port, stack_env
 
-REDIS_SERVER = shutil.which("redis-server")
-if REDIS_SERVER is None:
-    helpers.skip_module(
-        "redis-server is not installed: the Celery test starts Debian's package as its broker "
-        "(apt-get install redis-server; .ci/run installs it when CI=true)"
-    )
+REDIS_SERVER = helpers.require_tool(
+    "redis-server", "the Celery test starts Debian's package as its broker"
+)
 
 pytestmark = pytest.mark.stack  # real Airflow components: make test-all
 

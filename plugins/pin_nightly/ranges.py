@@ -412,21 +412,24 @@ class _Range:
         )
         metrics.incr(healths.METRIC, tags={"dag_id": self.job.dag_id, "signal": "operator"})
         started = time.monotonic()
-        try:
-            while ctl.paused:
-                if healths.sleep_unless_stopped(controls.POLL_S, stop):
-                    return None
-                with transaction(self.conn) as cur:
-                    past_deadline, renew_due = leases.fence(cur, self.lease, self.share)
-                    ctl = controls.read(cur, self.key["sweep_id"])
-                if past_deadline:
-                    log.warning("range %s: budget spent while paused; it stops here", self.label)
-                    return None
-                if renew_due:
-                    leases.renew(self.conn, self.lease)
-        finally:
-            self.record_pause(healths.Pause(time.monotonic() - started, ["operator"]))
-        log.info("range %s: sweep resumed by %s", self.label, ctl.updated_by)
+        now = self._while_paused(ctl, stop)
+        self.record_pause(healths.Pause(time.monotonic() - started, ["operator"]))
+        if now is not None:
+            log.info("range %s: sweep resumed by %s", self.label, now.updated_by)
+        return now
+
+    def _while_paused(self, ctl: controls.Control, stop) -> controls.Control | None:
+        while ctl.paused:
+            if healths.sleep_unless_stopped(controls.POLL_S, stop):
+                return None
+            with transaction(self.conn) as cur:
+                past_deadline, renew_due = leases.fence(cur, self.lease, self.share)
+                ctl = controls.read(cur, self.key["sweep_id"])
+            if past_deadline:
+                log.warning("range %s: budget spent while paused; it stops here", self.label)
+                return None
+            if renew_due:
+                leases.renew(self.conn, self.lease)
         return ctl
 
     def update(self, cur, statement, params=None, why="taken over or closed by someone else"):
