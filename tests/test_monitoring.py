@@ -536,20 +536,21 @@ def test_promtool_checks_the_rules():
 
 
 def test_every_alert_fires_when_it_must_and_not_otherwise(alerts):
-    """``promtool test rules alerts.test.yml`` as a person runs it, on the committed files:
-    labels and rendered annotations of every firing alert; every alert has a case where it
-    fires and one where it must not."""
+    """``promtool test rules alerts.test.yml alerts.days.test.yml`` as a person runs it, on
+    the committed files: labels and rendered annotations of every firing alert; every alert has
+    a case where it fires and one where it must not."""
     import subprocess
 
     exe = _promtool()
-    tests_file = PROM_DIR / "alerts.test.yml"
+    files = ["alerts.test.yml", "alerts.days.test.yml"]
     out = subprocess.run(
-        [exe, "test", "rules", tests_file.name], cwd=PROM_DIR, capture_output=True, text=True
+        [exe, "test", "rules", *files], cwd=PROM_DIR, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
     cases = [
         t
-        for group in yaml.safe_load(tests_file.read_text())["tests"]
+        for name in files
+        for group in yaml.safe_load((PROM_DIR / name).read_text())["tests"]
         for t in group["alert_rule_test"]
     ]
     firing = {t["alertname"] for t in cases if t.get("exp_alerts")}
