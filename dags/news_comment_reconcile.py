@@ -54,72 +54,8 @@ The logic lives in `plugins/pin_nightly/news.py`; SQL in `include/sql/news/`.
 
 from __future__ import annotations
 
-import pendulum
-from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, setup, task, teardown
+from pin_nightly import news, tasks
 
-from pin_nightly import jobs, news, runs
-
-POOL = "news_comment_reconcile"
-
-
-with DAG(
-    description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
-    "Europe/Moscow (00:00 UTC, as the UI shows it)",
-    schedule=CronTriggerTimetable("0 3 * * *", timezone="Europe/Moscow"),
-    start_date=pendulum.datetime(2026, 1, 1, tz="Europe/Moscow"),
-    doc_md=__doc__,  # the runbook in the UI: this module's docstring
-    tags=["pin-nightly", "news"],
-    # one run at a time, params, deadline alerts (SLA), failed attempts counted, retries
-    **jobs.dag_settings(news.JOB, news.PARAMS, owner="PIN Engagement"),
-) as dag:
-
-    @task(pool=POOL)
-    @jobs.config_errors_fail
-    def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
-        instant = jobs.run_instant(logical_date, dag_run.run_after)
-        params, settings = jobs.deployment_settings(news.JOB, news.PARAMS, params, dag_run.conf)
-        opts = news.validate_options(params, instant, jobs.is_nightly(dag_run.run_type))
-        opts["settings"] = settings
-        backfill = jobs.is_backfill(dag_run.run_type)
-        jobs.check_backfill(news.JOB, instant.date().isoformat(), backfill, False)
-        return opts
-
-    @setup
-    @task(pool=POOL)
-    @jobs.config_errors_fail
-    def acquire_lease(opts: dict, run_id=None) -> dict:
-        return jobs.acquire_lease(news.JOB, opts, run_id)
-
-    @task(pool=POOL)
-    def plan_ranges(opts: dict, lease: dict, run_id=None) -> list[dict]:
-        return runs.plan(runs.Run.of(news.JOB, opts, run_id, lease))
-
-    @task(pool=POOL, map_index_template="{{ range_label }}")
-    def reconcile_range(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
-        get_current_context()["range_label"] = rng["label"]
-        return runs.work_range(runs.Run.of(news.JOB, opts, run_id, lease), rng)
-
-    # The lease is pulled here rather than passed: a task right after the setup task must have
-    # the trigger rule all_success, and the summary must also run after ranges that skipped.
-    @task(pool=POOL, trigger_rule="none_failed")
-    def summarize(opts: dict, run_id=None, ti=None) -> dict:
-        lease = ti.xcom_pull(task_ids="acquire_lease")
-        return runs.summarize(runs.Run.of(news.JOB, opts, run_id, lease))
-
-    @teardown
-    @task(pool=POOL)
-    def release_lease(lease: dict | None, run_id=None) -> bool:
-        return runs.teardown(runs.Run.of(news.JOB, {}, run_id, lease))  # needs the lease only
-
-    # An asset event when the run completed its sweep (skipped, no event, otherwise)
-    @task(pool=POOL, outlets=[news.COUNTS_ASSET])
-    def publish(summary: dict, outlet_events=None) -> dict:
-        return jobs.publish(news.COUNTS_ASSET, news.asset_extra(summary), outlet_events)
-
-    opts = validate_options()
-    lease = acquire_lease(opts)
-    ranges = plan_ranges(opts, lease)
-    done = reconcile_range.partial(opts=opts, lease=lease).expand(rng=ranges)
-    summary = summarize(opts)
-    done >> summary >> release_lease(lease)
-    publish(summary)
+# Its tasks, their pool and the run's shape: plugins/pin_nightly/tasks.py (the same for both
+# jobs); its schedule, owner and passes: news.JOB
+dag = tasks.job_dag(news.JOB, doc_md=__doc__)  # the runbook in the UI: this module's docstring

@@ -99,12 +99,29 @@ class Popularity(jobs.Job):
     def params(self) -> dict[str, Any]:
         return PARAMS
 
+    def options(self, params, instant, run_id, nightly: bool) -> dict[str, Any]:
+        return validate_options(params, instant, run_id, nightly)
+
+    def check_date(self, opts: dict[str, Any], instant, backfill: bool) -> None:  # noqa: ARG002
+        check_as_of_date(opts)
+        jobs.check_backfill(self, opts["as_of_date"], backfill, True)
+
+    def prune(self, run: runs.Run) -> int:
+        return retention(run)
+
+    def asset_extra(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        return asset_extra(result)
+
     def rows_tried(self, result: dict[str, Any]) -> int:
         return sum(result[f"{k.result}_processed"] for k in CARD_KINDS)  # failures included
 
     def prepare(self, conn) -> None:
         partitions.prepare(conn)  # the previous release's table is upgraded first
 
+
+# Published when a run completed both passes of its as_of_date: other teams' DAGs schedule on
+# it by this name.
+SCORES_ASSET = Asset("catalog_popularity_scores")
 
 JOB = Popularity(
     code="catalog-popularity-recompute",
@@ -123,11 +140,16 @@ JOB = Popularity(
     "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
     "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
     "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
+    owner="PIN Marketplace (Catalog squad)",
+    description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
+    "cards, at 03:00 UTC",
+    tag="catalog",
+    # one pass per card kind, in order: plan_<kind>, then its mapped ranges recompute_<kind>
+    passes=tuple((k.name, f"plan_{k.tasks}", f"recompute_{k.tasks}") for k in CARD_KINDS),
+    retention_task=True,
+    asset=SCORES_ASSET,
 )
 
-# Published when a run completed both passes of its as_of_date: other teams' DAGs schedule on
-# it by this name.
-SCORES_ASSET = Asset("catalog_popularity_scores")
 
 _MAX_WINDOW_DAYS = 3660  # larger overflows PostgreSQL's dates half-way through a run
 

@@ -63,6 +63,15 @@ class Job:
     )
     completed: str = "job completed: %(status)s"  # the summary's log line (of the result)
     headline: str = ""  # what the run did, in the DAG run's note (of the result)
+    # its DAG (pin_nightly.tasks): the nightly cron and its timezone, owner, description, tag
+    schedule: tuple[str, str] = ("0 3 * * *", "UTC")
+    owner: str = ""
+    description: str = ""
+    tag: str = ""
+    # its passes, in order: (the rows' kind or None, its planning task, its mapped range task)
+    passes: tuple[tuple[str | None, str, str], ...] = ((None, "plan_ranges", "reconcile_range"),)
+    retention_task: bool = False  # a task after the passes prunes its data (:meth:`prune`)
+    asset: Any = None  # updated when a run completed its work (:meth:`asset_extra`)
 
     @property
     def lock_key(self) -> str:
@@ -106,12 +115,29 @@ class Job:
         """The DAG's params (``airflow.sdk.Param`` each)."""
         raise NotImplementedError
 
+    def options(self, params: dict[str, Any], instant: datetime, run_id: str, nightly: bool):
+        """The run's options from its ``params`` about ``instant`` (``nightly``: a scheduled
+        run, see :func:`is_nightly`), every rule checked; no database access."""
+        raise NotImplementedError
+
+    def check_date(self, opts: dict[str, Any], instant: datetime, backfill: bool) -> None:  # noqa: ARG002
+        """Refuse, before anything is written, a run whose date the job may not work."""
+        check_backfill(self, instant.date().isoformat(), backfill, False)
+
     def rows_tried(self, result: dict[str, Any]) -> int:
         """The rows a run's ``result`` tried to write, those that failed included."""
         return result["item_errors"]
 
     def prepare(self, conn) -> None:
         """After the job-owned tables are checked, before the lease: upgrade their layout."""
+
+    def prune(self, run: Run) -> int:  # noqa: ARG002
+        """The retention task (``retention_task``): what it pruned."""
+        return 0
+
+    def asset_extra(self, result: dict[str, Any]) -> dict[str, Any] | None:  # noqa: ARG002
+        """The asset event's extra of a run's ``result`` (None: no event, nothing fresh)."""
+        return None
 
 
 def dag_settings(job: Job, params: dict[str, Any], owner: str) -> dict[str, Any]:
@@ -363,6 +389,17 @@ def run_tag() -> str:
     runs the same id (``scheduled__<slot>``), never the same tag. Clearing some tasks of a run
     (a range re-runs with its setup task, acquire_lease) keeps the tag, and with it the work."""
     return uuid.uuid4().hex[:12]
+
+
+def validate(job: Job, params: dict[str, Any], logical_date, dag_run) -> dict[str, Any]:
+    """Body of a DAG's validate_options task: the run's options (:meth:`Job.options`) from its
+    params over the deployment's settings, its date checked; nothing is written."""
+    instant = run_instant(logical_date, dag_run.run_after)
+    params, settings = deployment_settings(job, job.params(), params, dag_run.conf)
+    opts = job.options(params, instant, dag_run.run_id, is_nightly(dag_run.run_type))
+    opts["settings"] = settings
+    job.check_date(opts, instant, is_backfill(dag_run.run_type))
+    return opts
 
 
 def run_instant(logical_date: datetime | None, run_after: datetime | None) -> datetime:

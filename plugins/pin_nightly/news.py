@@ -85,6 +85,12 @@ class News(jobs.Job):
     def params(self) -> dict[str, Any]:
         return PARAMS
 
+    def options(self, params, instant, run_id, nightly: bool) -> dict[str, Any]:  # noqa: ARG002
+        return validate_options(params, instant, nightly)
+
+    def asset_extra(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        return asset_extra(result)
+
     def rows_tried(self, result: dict[str, Any]) -> int:
         return result["posts_reconciled"] + result["item_errors"]
 
@@ -99,6 +105,9 @@ class News(jobs.Job):
 
         alerts.drift_alert(self.dag_id, run.run_id, **alert)
 
+
+# Published when a run completed its sweep: other teams' DAGs schedule on it by this name.
+COUNTS_ASSET = Asset("news_comment_counts")
 
 JOB = News(
     code="news-comment-reconcile",
@@ -123,10 +132,14 @@ JOB = News(
     "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
     "scope=%(scope)s dry_run=%(dry_run)s "
     "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
+    schedule=("0 3 * * *", TZ),
+    owner="PIN Engagement",
+    description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
+    "Europe/Moscow (00:00 UTC, as the UI shows it)",
+    tag="news",
+    asset=COUNTS_ASSET,
 )
 
-# Published when a run completed its sweep: other teams' DAGs schedule on it by this name.
-COUNTS_ASSET = Asset("news_comment_counts")
 
 _MAX_LOOKBACK_HOURS = 366 * 24  # larger overflows Python's datetimes
 
