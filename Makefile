@@ -24,8 +24,8 @@ demo: setup
 
 # make test: everything but the real-stack modules and the exhaustive fault matrix, on
 # TEST_WORKERS pytest-xdist workers (tests of one xdist_group share a worker). make test-all adds
-# them: the rest of the fault matrix on the workers, then the stacks one at a time (each starts
-# several Airflow processes of its own).
+# them: the rest of the fault matrix on the workers, then the stack modules, a module per
+# worker at a time (each starts several Airflow processes of its own; they mostly wait).
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: lint
@@ -33,7 +33,7 @@ test: lint
 
 test-all: test
 	$(BIN)/python -m pytest $(XDIST) -m exhaustive $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m stack $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS
 # operations each, random (a failure is shrunk to a short sequence and printed with a blob that

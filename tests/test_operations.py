@@ -487,7 +487,7 @@ def _ranges_at_once(stack, run_id: str) -> int:
 def test_four_pool_slots_cut_every_night_reach_every_card(stack):
     """Four pool slots, four ranges run at once by the LocalExecutor, batches slowed so that
     the budget ends about half-way through each range: every night goes on from every range's
-    cursor, so after six nights every card has a snapshot and its exact score (before, only
+    cursor, so after four nights every card has a snapshot and its exact score (before, only
     the first range went on; the tails of the others were never reached)."""
     db = _fresh_catalog(stack)
     # no projects: the property-object pass has the whole budget (the order of the passes under
@@ -500,7 +500,7 @@ def test_four_pool_slots_cut_every_night_reach_every_card(stack):
     today = db.today()
     at_once = 0
     try:
-        for k in range(12, 6, -1):  # six nights, none the backfill test above ran
+        for k in range(10, 6, -1):  # four nights, none the backfill test above ran
             for table in db.TABLES.values():
                 db.q(f"UPDATE {table} SET popularity_views = popularity_views + 3")
             run_id = _trigger_night(stack, today - timedelta(days=k), conf)
