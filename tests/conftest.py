@@ -103,3 +103,9 @@ def scheduler_dag():
         return cache[dag_id]
 
     return get
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked ``long`` first, the others in their order: the pytest-xdist workers
+    start them at once, and none ends the suite on one while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

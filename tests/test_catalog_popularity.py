@@ -391,6 +391,7 @@ def test_dry_run_writes_nothing(catalog_db):
     assert len(catalog_db.snapshots(a)) == 2
 
 
+@pytest.mark.long
 def test_scores_match_an_independent_computation_over_a_random_month(catalog_db):
     rnd = random.Random(20261130)
     w, h = 30, 7

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from pin_nightly import ranges
 from tests.helpers import (
     InjectedFault,
@@ -110,6 +112,7 @@ def test_every_range_cut_at_once_goes_on_from_its_own_cursor(catalog_db, monkeyp
     assert_exact(db, cards, d + timedelta(days=1))
 
 
+@pytest.mark.long
 def test_a_pass_cut_inside_one_range_every_night_still_reaches_the_next_ranges(
     catalog_db, monkeypatch
 ):

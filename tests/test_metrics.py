@@ -10,6 +10,8 @@ import textwrap
 import threading
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     # the test session's Airflow environment, inherited
     from datetime import UTC, datetime
@@ -127,6 +129,7 @@ FAILURES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_every_failed_task_counts_and_only_finished_work_is_a_success(news_db, catalog_db):
     """A failure in a task that is not a range task (news plan_ranges, the popularity summary)
     counts in errors_total; a news run that leaves its sweep unfinished reports the backlog

@@ -1233,6 +1233,7 @@ def _reset_news(db) -> None:
     db.q("TRUNCATE news.posts, news.comments")
 
 
+@pytest.mark.long
 def test_news_operation_sequences(news_db):
     def machine():
         _reset_news(news_db)
@@ -1257,6 +1258,7 @@ def _reset_catalog(db) -> None:
     )
 
 
+@pytest.mark.long
 def test_catalog_operation_sequences(catalog_db):
     def machine():
         _reset_catalog(catalog_db)

@@ -177,6 +177,7 @@ def _views(db) -> dict[str, int]:
     )
 
 
+@pytest.mark.long
 def test_catalog_run_under_concurrent_view_consumers(catalog_db):
     """4 consumer connections (pgbench) increment popularity_views (autocommit, as the consumer
     does) on 1000 cards, half the increments on 6 hot cards, during a run in batches of 20. Each

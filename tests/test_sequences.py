@@ -86,6 +86,7 @@ def waiting_at_gate(db) -> bool:
 # --- two deployments fire the same cron slot ---------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("dag_id", [NEWS, CATALOG])
 def test_two_deployments_on_one_slot_one_works_the_other_is_skipped(dag_id, news_db, catalog_db):
     """Both runs are named ``scheduled__<slot>``. The second finds the lease held while the first
@@ -650,6 +651,7 @@ def test_history_the_signals_or_the_rotation_need_is_kept_and_manual_runs_prune_
 # --- no starvation when the budget keeps cutting a pass ----------------------------------------
 
 
+@pytest.mark.long
 def test_a_catalog_that_outgrows_its_budget_reaches_every_card_of_both_kinds(catalog_db):
     """Every batch of 2 cards takes 0.5 s (a trigger sleeps) and a night's budget is 12 s: the
     40 property-object cards would take 10 s, the 20 project cards 5 s after them. Each night the
