@@ -23,17 +23,19 @@ demo: setup
 	$(BIN)/python -m tools.demo
 
 # make test: everything but the real-stack modules and the exhaustive fault matrix, on
-# TEST_WORKERS pytest-xdist workers (tests of one xdist_group share a worker). make test-all adds
-# them: the rest of the fault matrix on the workers, then the stack modules, a module per
-# worker at a time (each starts several Airflow processes of its own; they mostly wait).
-TEST_WORKERS ?= 2
+# TEST_WORKERS pytest-xdist workers (tests of one xdist_group share a worker; the tests wait on
+# PostgreSQL and on their slowed batches about as much as they compute, so three keep two cores
+# busy). make test-all adds them: the rest of the fault matrix on the workers, then the stack
+# modules on STACK_WORKERS, a module a worker (each starts several Airflow processes of its own).
+TEST_WORKERS ?= 3
+STACK_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive" $(PYTEST_ARGS)
 
 test-all: test
 	$(BIN)/python -m pytest $(XDIST) -m exhaustive $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(STACK_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS
 # operations each, random (a failure is shrunk to a short sequence and printed with a blob that
