@@ -785,7 +785,7 @@ def test_a_remembered_card_is_taken_first_the_next_night(catalog_db):
     whose keyset holds it takes it before its batches: a budget that ends after the first batch
     still writes it (the batches never reach it, the newest id) and forgets it, and no batch
     writes it twice."""
-    from tests.helpers import after_each_batch
+    from tests.helpers import budget_spent_after_each_batch
 
     cards = [catalog_db.card(views=10 * (i + 1)) for i in range(6)]
     held = cards[-1]  # the newest id: the last one the keyset reaches
@@ -796,8 +796,8 @@ def test_a_remembered_card_is_taken_first_the_next_night(catalog_db):
         blocker.execute(INCREMENT, (1, held))  # held, uncommitted, for the whole run
         s = assert_ok(run({"batch_size": 2}, as_of=D - timedelta(days=1)))
         assert s["cards_unscored"] == 1 and catalog_db.q(remembered) == [(held,)], s
-    with after_each_batch(lambda _b: time.sleep(2)):
-        s = assert_ok(run({"batch_size": 2, "max_ranges": 1, "max_run_duration_minutes": 0.02}))
+    with budget_spent_after_each_batch(catalog_db):
+        s = assert_ok(run({"batch_size": 2, "max_ranges": 1}))
     assert s["status"] == "backlog_remaining", s
     assert catalog_db.snapshots(held)[-1] == (D, 61)
     assert catalog_db.score(held) == reference_score(dict(catalog_db.snapshots(held)), D, 30, 7)

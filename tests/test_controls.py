@@ -14,7 +14,7 @@ import pytest
 
 from pin_nightly import catalog, controls, news
 from pin_nightly.db import connection
-from tests.helpers import after_each_batch, assert_ok, night
+from tests.helpers import after_each_batch, assert_ok, budget_spent_after_each_batch, night
 from tools.rundag import run_dag
 
 NEWS = "news_comment_reconcile"
@@ -120,8 +120,8 @@ def test_a_sweep_paused_until_the_budget_ends_leaves_a_green_backlog(news_db):
     db = news_db
     db.posts(10, drift_every=1)
     d = db.today() - timedelta(days=2)
-    with after_each_batch(lambda _b: time.sleep(2)):
-        first = assert_ok(run_dag(NEWS, {**FULL, "max_run_duration_minutes": 0.02}, night(d)))
+    with budget_spent_after_each_batch(db):
+        first = assert_ok(run_dag(NEWS, FULL, night(d)))
     assert first["status"] == "backlog_remaining", first
     sweep = open_sweep(db)
     give(sweep, "pause")
@@ -154,8 +154,8 @@ def test_a_control_out_of_bounds_is_refused_and_writes_nothing(
 ):
     db = news_db
     db.posts(3, drift_every=1)
-    with after_each_batch(lambda _b: time.sleep(2)):
-        run_dag(NEWS, {**FULL, "batch_size": 1, "max_run_duration_minutes": 0.02})
+    with budget_spent_after_each_batch(db):
+        run_dag(NEWS, {**FULL, "batch_size": 1})
     sweep = open_sweep(db)
     with pytest.raises(controls.ControlError, match=message) as refused:
         give(sweep, action, **settings)
