@@ -521,41 +521,68 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
     """One of four ranges running at once fails; the on-call clears it at once (its setup
     task, acquire_lease, runs again) while the others still run. The lease is re-joined as it
     is: the siblings are not fenced out (before, they failed with LeaseLost), the cleared range
-    resumes from its cursor and the run ends successful with every post exact. (News: its run
-    deadline in this stack is 2 s, and Airflow 3.3.2 answers a clear of a run whose
-    DAGRUN_QUEUED_AT deadline has not passed yet with HTTP 500, see docs/design.md.)"""
+    resumes from its cursor and the run ends successful with every post exact. Whatever the
+    machine's load, the siblings are held: in their first batch at a gate until the range has
+    failed, then (a batch holds the lease row FOR SHARE, so acquire_lease would wait for it)
+    paused between batches until acquire_lease has run again. (News: its run deadline in this
+    stack is 2 s, and Airflow 3.3.2 answers a clear of a run whose DAGRUN_QUEUED_AT deadline
+    has not passed yet with HTTP 500, see docs/design.md.)"""
     db = stack.news
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(80, drift_every=1)
-    db.fail_updates_of(ids[60])  # the first post of the last of four ranges
-    db.q(
-        "CREATE OR REPLACE FUNCTION news.slow_batch() RETURNS trigger LANGUAGE plpgsql AS "
-        "$$BEGIN PERFORM pg_sleep(2); RETURN NULL; END$$"
+    first_of_last = ids[60]  # the first post of the last of four ranges
+    db.q("CREATE TABLE IF NOT EXISTS public.gate (open boolean NOT NULL, fail boolean NOT NULL)")
+    db.q("TRUNCATE public.gate")
+    db.q("INSERT INTO public.gate VALUES (false, true)")
+    db.q(  # flags, not DDL: dropping a trigger would wait for the batches it holds; a sleep,
+        # not a lock: no lock_timeout
+        "CREATE OR REPLACE FUNCTION news.gate() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        f"IF NEW.id = '{first_of_last}' AND (SELECT fail FROM public.gate) THEN "
+        "RAISE EXCEPTION 'disk full (simulated)' USING ERRCODE = 'disk_full'; END IF; "
+        f"IF NEW.id < '{first_of_last}' THEN "
+        "LOOP EXIT WHEN (SELECT open FROM public.gate); PERFORM pg_sleep(0.2); END LOOP; "
+        "END IF; RETURN NEW; END $$"
     )
     db.q(
-        "CREATE TRIGGER slow_batch BEFORE UPDATE ON news.posts "
-        "FOR EACH STATEMENT EXECUTE FUNCTION news.slow_batch()"
+        "CREATE TRIGGER gate BEFORE UPDATE ON news.posts FOR EACH ROW EXECUTE FUNCTION news.gate()"
     )
     pool = functools.partial(_set_slots, stack, pool=NEWS)
     pool(4)
     try:
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 2, "max_ranges": 4})
-        failed = "reconcile_range[3]"
-        helpers.wait_for(
-            lambda: stack.task_states(NEWS, run_id).get(failed) == "failed",
-            timeout=120,
-            poll=0.5,
-            what=f"{failed} to fail",
+        siblings = [f"reconcile_range[{i}]" for i in range(3)]
+
+        def held() -> bool:
+            states = stack.task_states(NEWS, run_id)
+            return states.get("reconcile_range[3]") == "failed" and all(
+                states.get(t) == "running" for t in siblings
+            )
+
+        helpers.wait_for(held, timeout=180, poll=0.5, what="range 3 failed, 0-2 running")
+        sweep = db.one("SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open'")
+        db.q(
+            "INSERT INTO pin_nightly.sweep_control (sweep_id, paused, updated_by) "
+            "VALUES (%s, true, 'on-call')",
+            sweep,
         )
-        db.allow_updates()
-        states = stack.task_states(NEWS, run_id)
-        running = [f"reconcile_range[{i}]" for i in range(3)]
-        assert sum(states[t] == "running" for t in running) >= 2, states
+        db.q("UPDATE public.gate SET open = true, fail = false")
         _clear_news_range(stack, run_id, 3)
+
+        def rejoined() -> bool:
+            tis = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{run_id}/taskInstances?limit=100")
+            (lease,) = [t for t in tis["task_instances"] if t["task_id"] == "acquire_lease"]
+            return lease["try_number"] >= 2 and lease["state"] == "success"
+
+        helpers.wait_for(rejoined, timeout=180, poll=0.5, what="acquire_lease to run again")
+        states = stack.task_states(NEWS, run_id)
+        assert all(states[t] == "running" for t in siblings), states
+        db.q("UPDATE pin_nightly.sweep_control SET paused = false WHERE sweep_id = %s", sweep)
         assert stack.wait_run(NEWS, run_id, timeout=240) == "success"
     finally:
         pool(1)
-        db.q("DROP TRIGGER IF EXISTS slow_batch ON news.posts")
+        db.q("UPDATE public.gate SET open = true, fail = false")
+        db.q("UPDATE pin_nightly.sweep_control SET paused = false")
+        db.q("DROP TRIGGER IF EXISTS gate ON news.posts")
     tis = stack.get(f"/api/v2/dags/{NEWS}/dagRuns/{run_id}/taskInstances?limit=100")
     tries = {
         t["map_index"]: (t["state"], t["try_number"])

@@ -670,6 +670,15 @@ def test_a_worker_whose_lease_was_taken_over_stops_before_its_next_write(news_db
     assert news_db.one("SELECT count(*) FROM pin_nightly.news_drift") == 10
 
 
+def _closed_gate(db, post_id: str) -> psycopg.Connection:
+    """A batch updating ``post_id`` waits in flight until the returned session unlocks
+    :data:`ADVISORY_KEY`."""
+    install_gate(db, "news.posts", post_id)
+    gate = psycopg.connect(db.dsn, autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+    return gate
+
+
 def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(news_db):
     """The lease (TTL 0.03 min) expires while the worker's second batch is held in flight.
     Another holder's acquisition waits for that batch (the fence holds the lease row FOR
@@ -681,9 +690,7 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
     from pin_nightly.lease import LeaseLost
 
     ids = news_db.posts(30, drift_every=1)
-    install_gate(news_db, "news.posts", ids[15])
-    gate = psycopg.connect(news_db.dsn, autocommit=True)
-    gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+    gate = _closed_gate(news_db, ids[15])
     outcome: dict = {}
 
     def slow_worker():
@@ -741,6 +748,53 @@ def test_a_lease_expiring_during_a_batch_cannot_be_taken_until_that_batch_ends(n
         "SELECT max(recorded_at) <= (SELECT acquired_at FROM "
         "pin_nightly.job_lease) FROM pin_nightly.news_drift"
     )
+
+
+def test_a_run_rejoining_its_lease_does_not_wait_for_its_siblings_batches(news_db):
+    """A range task starting (or the setup task re-run) while a sibling's batch is in flight
+    takes its run's live lease as it is, without writing the row: an UPDATE would wait for that
+    batch (its fence holds the row FOR SHARE) and queue the siblings' next fences behind it."""
+    from pin_nightly import jobs, news, ranges
+    from pin_nightly import lease as leases
+    from pin_nightly.db import connection
+
+    ids = news_db.posts(30, drift_every=1)
+    gate = _closed_gate(news_db, ids[15])
+    outcome: dict = {}
+
+    def sibling():
+        try:
+            with connection("news_db") as conn:
+                rng, batch = news_full_sweep_range(conn, outcome["lease"], "run-1", 10)
+                outcome["result"] = ranges.run_range(conn, rng, outcome["lease"], 10, batch)
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    def rejoin():
+        with connection("news_db") as conn:
+            outcome["rejoined"] = leases.rejoin(conn, outcome["lease"])
+            outcome["again"] = leases.acquire(conn, NEWS_KEY, "deployment/run-1", 10, 5)
+
+    with connection("news_db") as conn:
+        jobs.preflight(conn, news.JOB)
+        outcome["lease"] = leases.acquire(conn, NEWS_KEY, "deployment/run-1", 10, 5)
+    worker = threading.Thread(target=sibling, daemon=True)
+    worker.start()
+    try:
+        wait_for(lambda: gate_waiter(news_db) or "error" in outcome, timeout=30, what="the gate")
+        assert "error" not in outcome, outcome
+        other = threading.Thread(target=rejoin, daemon=True)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "the rejoin waited for the sibling's batch in flight"
+    finally:
+        gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))
+        gate.close()
+    worker.join(30)
+    remove_gate(news_db, "news.posts")
+    assert outcome["rejoined"] == outcome["again"] == outcome["lease"]
+    assert outcome["result"].status == "done", outcome
+    assert news_db.drifted_posts() == 0
 
 
 # --- 3d. missing connection, database, table, column, index -------------------------------------

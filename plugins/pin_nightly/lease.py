@@ -94,8 +94,11 @@ def _take(conn, lock_key: str, holder: str, ttl_minutes, max_run_minutes) -> Lea
     params = {"lock_key": lock_key, "holder": holder, "ttl_minutes": ttl_minutes}
     params["max_run_minutes"] = max_run_minutes
     with transaction(conn) as cur:
-        cur.execute(sql("common/lease_acquire"), params)
+        cur.execute(sql("common/lease_live"), params)
         row = fetch_one_dict(cur)
+        if row is None:
+            cur.execute(sql("common/lease_acquire"), params)
+            row = fetch_one_dict(cur)
         if row is None:
             cur.execute(sql("common/lease_holder"), params)
             other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}

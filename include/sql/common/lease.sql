@@ -30,6 +30,15 @@ ON CONFLICT (lock_key) DO UPDATE
  WHERE l.expires_at <= clock_timestamp() OR l.holder = excluded.holder
 RETURNING token, acquired_at, expires_at, run_deadline_at
 
+-- name: lease_live
+-- The lease as it is while this holder has it live: taken again by the same run (its setup
+-- task re-run, a range task's rejoin) it is read, not written. An UPDATE of the row would wait
+-- for the batches of the siblings, which hold it FOR SHARE, and queue their next fences behind
+-- it until then.
+SELECT token, acquired_at, run_deadline_at
+  FROM pin_nightly.job_lease
+ WHERE lock_key = %(lock_key)s AND holder = %(holder)s AND expires_at > clock_timestamp()
+
 -- name: lease_fence
 -- First statement of every batch transaction: the lease must still be ours and unexpired.
 -- FOR SHARE keeps a competing acquisition (an UPDATE of this row) waiting until the batch
