@@ -68,12 +68,14 @@ FAULTS = {
         "projects_mid_batch": ("pin_nightly.catalog.make_batch", "mid_batch", "Project"),
         "range_after_work": ("pin_nightly.ranges.run_range", "after", None),
         "summarize_before": ("pin_nightly.runs.summarize", "before", None),
+        "summarize_after": ("pin_nightly.runs.summarize", "after", None),  # its signals stored
     },
     "news": {
         "plan_before": ("pin_nightly.runs.plan", "before", None),
         "mid_batch": ("pin_nightly.news.make_batch", "mid_batch", None),
         "range_after_work": ("pin_nightly.ranges.run_range", "after", None),
         "summarize_before": ("pin_nightly.runs.summarize", "before", None),
+        "summarize_after": ("pin_nightly.runs.summarize", "after", None),  # its signals stored
     },
 }
 CLEARS = ["failed_tasks", "only_failed", "whole_run"]
@@ -475,6 +477,24 @@ class Model(RuleBasedStateMachine):
         assert self.db.q("SELECT holder FROM pin_nightly.job_lease") == []
 
     @invariant()
+    def a_run_sends_each_total_once(self):
+        """What the acquisitions of a run sent of its totals adds up to the totals its newest
+        one counted: a whole-run clear sends only what the run had not sent."""
+        sent: dict[tuple, dict] = defaultdict(Counter)
+        whole: dict[tuple, dict] = {}
+        for job, run_id, signals in self.db.q(
+            "SELECT job, run_id, signals FROM pin_nightly.run_signal ORDER BY emitted_at"
+        ):
+            key = (job, run_id)
+            for name, value, tags in signals["run_totals"]:
+                sent[key][json.dumps([name, tags], sort_keys=True)] += value
+            whole[key] = Counter(
+                {json.dumps([n, t], sort_keys=True): v for n, v, t in signals["whole"]}
+            )
+        for key, counted in whole.items():
+            assert +sent[key] == +counted, (key, dict(sent[key]), dict(counted))
+
+    @invariant()
     def a_green_run_says_what_it_did(self):
         r = self.last
         if r is None or r["state"] != "success":
@@ -828,7 +848,11 @@ class NewsModel(Model):
 
     def __init__(self, db):
         super().__init__(db)
-        self.night = self.today - timedelta(days=12)  # the last scheduled night
+        # the last scheduled night: a Saturday 12 to 18 days back, so that the sequences' first
+        # scheduled night is a Sunday (auto: a FullSweep) and the ones after it DailyWindows,
+        # whatever the date the test runs on
+        start = self.today - timedelta(days=12)
+        self.night = start - timedelta(days=(start.weekday() - 5) % 7)
         self.posts = [db.post(count=v, visible=v) for v in (0, 1, 2, 3, 1, 0, 4, 2)]
         # every change the model made to a counter directly (the hot path's own updates, a
         # corruption): with the corrections the job recorded, the counter is accounted for
@@ -1108,6 +1132,10 @@ NEWS_SEQUENCES = [
         S("a_failure_ahead", fault="plan_before"),
         S("manual_run", what="dry_run", when="future"),
         S("manual_run", what="out_of_time", when="now"),
+        *drift((4, "lost")),
+        S("a_failure_ahead", fault="summarize_after"),
+        S("manual_run", what="FullSweep", when="now"),
+        S("clear_a_failed_run", which=-1, how="whole_run"),  # its summary had sent the totals
     ],
 ]
 
@@ -1162,6 +1190,10 @@ CATALOG_SEQUENCES = [
         S("a_failure_ahead", fault="plan_before"),
         S("manual_run", when="past", extra="dry_run"),
         S("manual_run", when="future", extra="plain"),
+        S("views_grow", cards="all", amount=5),
+        S("a_failure_ahead", fault="summarize_after"),
+        S("manual_run", when="today", extra="plain"),
+        S("clear_a_failed_run", which=-1, how="whole_run"),  # its summary had sent the totals
     ],
 ]
 
