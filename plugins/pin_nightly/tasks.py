@@ -15,7 +15,8 @@ from pin_nightly import jobs, runs
 
 def job_dag(job: jobs.Job, doc_md: str) -> Any:
     """The DAG of ``job``: nightly on its schedule (a cron in its timezone), ``doc_md`` its
-    runbook in the UI, every task in the job's pool (named as the DAG: one slot a range)."""
+    runbook in the UI, every task in the job's pool (named as the DAG; its slots are the
+    ranges that run at once)."""
     from airflow.sdk import DAG, CronTriggerTimetable
 
     cron, tz = job.schedule
