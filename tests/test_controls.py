@@ -31,14 +31,17 @@ def open_sweep(db) -> int:
 
 
 def held_by_the_job(db) -> tuple[int, int]:
-    """Locks on news.posts and sessions idle in a transaction, of any session but this one."""
+    """Locks on news.posts, and sessions idle in a transaction open for more than a second (a
+    paused range's control read or lease renewal is a transaction of milliseconds), of any
+    session but this one."""
     locks = db.one(
         "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
         "WHERE c.relname = 'posts' AND l.pid <> pg_backend_pid()"
     )
     idle = db.one(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND state LIKE 'idle in transaction%%' AND pid <> pg_backend_pid()"
+        "AND state LIKE 'idle in transaction%%' AND pid <> pg_backend_pid() "
+        "AND xact_start < clock_timestamp() - interval '1 second'"
     )
     return locks, idle
 
