@@ -517,6 +517,14 @@ def test_four_pool_slots_cut_every_night_reach_every_card(stack):
         assert db.score(cid, kind) == helpers.reference_popularity_score(snaps, newest, 30, 7)
 
 
+def _control(db, sweep_id: int, action: str) -> None:
+    """A control of the news sweep, as the console gives it (on the job's database)."""
+    from pin_nightly import controls, news
+
+    with psycopg.connect(db.dsn) as conn:
+        controls.give(conn, news.JOB, sweep_id, action, "on-call")
+
+
 def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
     """One of four ranges running at once fails; the on-call clears it at once (its setup
     task, acquire_lease, runs again) while the others still run. The lease is re-joined as it
@@ -560,11 +568,7 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
 
         helpers.wait_for(held, timeout=180, poll=0.5, what="range 3 failed, 0-2 running")
         sweep = db.one("SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open'")
-        db.q(
-            "INSERT INTO pin_nightly.sweep_control (sweep_id, paused, updated_by) "
-            "VALUES (%s, true, 'on-call')",
-            sweep,
-        )
+        _control(db, sweep, "pause")
         db.q("UPDATE public.gate SET open = true, fail = false")
         _clear_news_range(stack, run_id, 3)
 
@@ -576,7 +580,7 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
         helpers.wait_for(rejoined, timeout=180, poll=0.5, what="acquire_lease to run again")
         states = stack.task_states(NEWS, run_id)
         assert all(states[t] == "running" for t in siblings), states
-        db.q("UPDATE pin_nightly.sweep_control SET paused = false WHERE sweep_id = %s", sweep)
+        _control(db, sweep, "resume")
         assert stack.wait_run(NEWS, run_id, timeout=240) == "success"
     finally:
         pool(1)
@@ -591,3 +595,8 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
     }
     assert tries == {0: ("success", 1), 1: ("success", 1), 2: ("success", 1), 3: ("success", 2)}
     assert db.drifted_posts() == 0
+    summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", run_id)
+    assert [(c["action"], c["given_by"]) for c in summary["controls"]] == [
+        ("pause", "on-call"),
+        ("resume", "on-call"),
+    ]
