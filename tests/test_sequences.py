@@ -52,12 +52,15 @@ def second_deployment(dag_id: str, conf: dict, run_id: str, logical_date) -> dic
 
 def gate_sweep_creation(dsn: str) -> psycopg.Connection:
     """Hold every run that opens a sweep at that point (a trigger waits for an advisory lock
-    the returned session holds): the run has its lease and has written nothing yet."""
+    the returned session holds): the run has its lease and has written nothing yet. The wait
+    is not cut by the job's ``lock_timeout`` (30 s): the other deployment's whole run, a
+    fresh Airflow in a subprocess, happens while it waits."""
     run_sql_file(dsn, "schema/pin_nightly.sql")
     gate = psycopg.connect(dsn, autocommit=True)
     gate.execute(
         "CREATE OR REPLACE FUNCTION public.pin_test_sweep_gate() RETURNS trigger "
-        f"LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock({ADVISORY_KEY}); "
+        "LANGUAGE plpgsql SET lock_timeout = '5min' "
+        f"AS $$ BEGIN PERFORM pg_advisory_xact_lock({ADVISORY_KEY}); "
         "RETURN NEW; END $$"
     )
     gate.execute(
