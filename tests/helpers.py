@@ -160,6 +160,24 @@ class NewsDB:
         self.q(f"DROP TRIGGER IF EXISTS fail_one ON {table}")
         self.q(f"DROP TRIGGER IF EXISTS reject_all ON {table}")
         self.q(f"DROP TRIGGER IF EXISTS slow ON {table}")
+        self.q(f"DROP TRIGGER IF EXISTS held ON {table}")
+
+    def hold_updates_from(self, row_id: str, table: str = "news.posts") -> None:
+        """Every UPDATE of a row of ``table`` from ``row_id`` on waits, inside its batch, until
+        :meth:`release_updates` (a flag polled every 0.2 s: no lock, so no lock_timeout, and
+        the flag's UPDATE waits for nothing the batch holds); see allow_updates."""
+        self.q("CREATE TABLE IF NOT EXISTS public.held (released boolean NOT NULL)")
+        self.q("TRUNCATE public.held")
+        self.q("INSERT INTO public.held VALUES (false)")
+        self.q(
+            "CREATE OR REPLACE FUNCTION public.held() RETURNS trigger LANGUAGE plpgsql AS $$ "
+            f"BEGIN IF NEW.id >= '{row_id}' THEN LOOP EXIT WHEN (SELECT released FROM "
+            "public.held); PERFORM pg_sleep(0.2); END LOOP; END IF; RETURN NEW; END $$"
+        )
+        self.q(f"CREATE TRIGGER held BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION held()")
+
+    def release_updates(self) -> None:
+        self.q("UPDATE public.held SET released = true")
 
     def slow_updates(self, seconds: float, table: str = "news.posts") -> None:
         """Every UPDATE of ``table`` takes ``seconds`` more (a trigger; see allow_updates)."""
@@ -473,9 +491,11 @@ ADVISORY_KEY = 7_404_242
 
 def install_gate(db: NewsDB, table: str, post_id: str, key: int = ADVISORY_KEY) -> None:
     """A BEFORE UPDATE trigger on ``table`` that, for row ``post_id``, waits for the advisory
-    lock ``key``: whoever holds that lock keeps the writer's batch in flight."""
+    lock ``key``: whoever holds that lock keeps the writer's batch in flight (for as long as
+    the test needs on a slow machine: the wait is not cut at the job's lock_timeout)."""
     db.q(
-        "CREATE OR REPLACE FUNCTION public.pin_test_gate() RETURNS trigger LANGUAGE plpgsql AS "
+        "CREATE OR REPLACE FUNCTION public.pin_test_gate() RETURNS trigger LANGUAGE plpgsql "
+        "SET lock_timeout = '5min' AS "
         f"$$ BEGIN IF NEW.id = '{post_id}'::uuid THEN PERFORM pg_advisory_xact_lock({int(key)}); "
         "END IF; RETURN NEW; END $$"
     )

@@ -511,7 +511,8 @@ def test_a_missed_deadline_shows_on_the_run_page(page, stack, shots, sweep_run):
 
 def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, shots):
     """Browse > pin-nightly, inside the UI: a FullSweep running slowly (each post update takes
-    0.2 s), paused from the page (no batch while paused), resumed, and finished with every
+    0.2 s) and held half-way (whatever the machine's speed, it is still running when the page
+    pauses it), paused from the page (no batch while paused), resumed, and finished with every
     count exact; the nights' plots and the post a trigger rejects, repaired from the page's
     prefilled repair form; the page refused to a browser that is not logged in."""
     db = stack.news
@@ -520,12 +521,18 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
     ids = db.posts(60, drift_every=1)
     db.fail_updates_of(ids[59], errcode="raise_exception")  # the last one: an item error
     db.slow_updates(0.2)
-    rows = "SELECT coalesce(sum(rows_processed), 0) FROM pin_nightly.sweep_range r "
-    rows += "JOIN pin_nightly.sweep s USING (sweep_id) WHERE s.run_id = %s"
+    db.hold_updates_from(ids[30])
+    query = "SELECT coalesce(sum(rows_processed), 0) FROM pin_nightly.sweep_range r "
+    query += "JOIN pin_nightly.sweep s USING (sweep_id) WHERE s.run_id = %s"
+
+    def done() -> int:  # the rows the run's range has processed (its first run makes the schema)
+        made = db.one("SELECT to_regclass('pin_nightly.sweep_range') IS NOT NULL")
+        return db.one(query, run_id) if made else 0
+
     try:
         conf = {"scope": "FullSweep", "batch_size": 2, "max_ranges": 1}
         run_id = stack.trigger(NEWS, conf)
-        helpers.wait_for(lambda: db.one(rows, run_id) >= 4, timeout=120, poll=0.2)
+        helpers.wait_for(lambda: done() >= 4, timeout=120, poll=0.2)
         page.goto("/plugin/pin-nightly")
         console = page.frame_locator("iframe")
         sweep = console.locator(f"#{NEWS} .sweep").first
@@ -533,9 +540,11 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
         sweep.get_by_role("button", name="Pause sweep").click()
         expect(console.locator(f"#{NEWS} .sweep").first).to_contain_text("paused by admin")
         shots(page, "console-sweep-paused")
-        paused_at = db.one(rows, run_id)
+        db.release_updates()  # the batch held ends; the range then waits, paused
+        helpers.wait_for(lambda: done() >= 32, timeout=60, poll=0.2)
+        paused_at = done()
         time.sleep(8)  # four rechecks: no batch while paused
-        assert db.one(rows, run_id) <= paused_at + 2  # at most the batch under way then
+        assert done() <= paused_at + 2  # at most the batch under way then
         console.locator(f"#{NEWS} .sweep").first.get_by_role("button", name="Resume sweep").click()
         assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000) == "success"
     finally:

@@ -256,6 +256,10 @@ def test_airflow_services_wait_for_metadata_db_and_init(services):
     # LocalExecutor: the tasks run in the scheduler and need the jobs' database.
     assert services["airflow-scheduler"]["depends_on"]["jobs-db"]["condition"] == "service_healthy"
     assert services["airflow-apiserver"].get("command") == "api-server"
+    # ...and start through the execution API, whose first request the api-server's check makes
+    deps = services["airflow-scheduler"]["depends_on"]
+    assert deps["airflow-apiserver"]["condition"] == "service_healthy"
+    assert "/execution/health" in " ".join(services["airflow-apiserver"]["healthcheck"]["test"])
 
 
 # --- image -----------------------------------------------------------------------------------

@@ -484,11 +484,12 @@ def _ranges_at_once(stack, run_id: str) -> int:
     return max((sum(a <= s < b for a, b in spans) for s, _ in spans), default=0)
 
 
-def test_four_pool_slots_cut_every_night_reach_every_card(stack):
+def test_four_pool_slots_cut_by_the_budget_reach_every_card(stack):
     """Four pool slots, four ranges run at once by the LocalExecutor, batches slowed so that
-    the budget ends about half-way through each range: every night goes on from every range's
-    cursor, so after four nights every card has a snapshot and its exact score (before, only
-    the first range went on; the tails of the others were never reached)."""
+    the budget ends before the ranges do: each night goes on from every range's cursor, so
+    within a few nights every card has a snapshot and its exact score (before, only the first
+    range went on; the tails of the others were never reached, however many nights ran). How
+    many nights it takes depends on the machine's speed; the first never reaches every card."""
     db = _fresh_catalog(stack)
     # no projects: the property-object pass has the whole budget (the order of the passes under
     # cuts is tested in tests/test_coverage.py)
@@ -498,21 +499,25 @@ def test_four_pool_slots_cut_every_night_reach_every_card(stack):
     set_slots(4)
     conf = {"batch_size": 2, "max_ranges": 4, "max_run_duration_minutes": 0.3}
     today = db.today()
-    at_once = 0
+    at_once, unreached = 0, []
     try:
-        for k in range(10, 6, -1):  # four nights, none the backfill test above ran
+        for k in range(20, 6, -1):  # up to 14 nights, none the backfill test above ran
             for table in db.TABLES.values():
                 db.q(f"UPDATE {table} SET popularity_views = popularity_views + 3")
             run_id = _trigger_night(stack, today - timedelta(days=k), conf)
             assert stack.wait_run(CATALOG, run_id, timeout=240) == "success"
             at_once = max(at_once, _ranges_at_once(stack, run_id))
+            unreached.append(sum(not db.snapshots(cid) for cid in cards))
+            if not unreached[-1]:
+                break
     finally:
         set_slots(1)
         db.q("DROP TRIGGER slow_batch ON catalog.popularity_daily_views")
+    assert unreached[0] > 0, "the first night was cut by its budget"
+    assert unreached[-1] == 0, f"cards never reached after {len(unreached)} nights: {unreached}"
     assert at_once >= 3, "ranges of one night ran at once"
     for cid, kind in cards.items():
         snaps = dict(db.snapshots(cid))
-        assert snaps, (cid, kind)
         newest = max(snaps)
         assert db.score(cid, kind) == helpers.reference_popularity_score(snaps, newest, 30, 7)
 

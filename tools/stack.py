@@ -106,10 +106,19 @@ class Stack:
                 self.procs.values(),
                 f"a healthy Airflow; logs in {self.home}",
             )
+            self.warm_execution_api(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def warm_execution_api(self, timeout: float) -> None:
+        """Make the api-server's first request to its task execution API here, not in a task.
+        That request costs 8 s on an idle 2-core machine and over half a minute on a loaded one,
+        and the api-server answers nothing else meanwhile; a task whose start call waits that
+        long fails on the workers' ``execution_api_timeout``, before running any code."""
+        with urllib.request.urlopen(self.base + "/execution/health", timeout=timeout) as resp:
+            resp.read()
 
     def healthy(self) -> bool:
         """Whether the metadata database and every component report healthy."""
@@ -182,7 +191,7 @@ class Stack:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")["state"]
 
     def wait_run(
-        self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 180
+        self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 300
     ) -> str:
         def ended() -> str | None:
             state = self.run_state(dag_id, run_id)
