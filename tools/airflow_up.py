@@ -76,6 +76,7 @@ def main() -> int:
     pw_file = HOME / "simple_auth_manager_passwords.json.generated"
     try:
         airflow.wait_ready(240)
+        stack.warm_execution_api(240)
         password = json.loads(pw_file.read_text()).get("admin", "?") if pw_file.exists() else "?"
         print(
             f"\nAirflow is ready: http://127.0.0.1:{PORT}  login: admin / {password}\n"
