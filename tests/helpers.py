@@ -489,15 +489,18 @@ def reference_popularity_score(snaps: dict, d, w: int, h: float, inherited=None)
 ADVISORY_KEY = 7_404_242
 
 
-def install_gate(db: NewsDB, table: str, post_id: str, key: int = ADVISORY_KEY) -> None:
+def install_gate(
+    db: NewsDB, table: str, post_id: str, key: int = ADVISORY_KEY, hold: str | None = None
+) -> None:
     """A BEFORE UPDATE trigger on ``table`` that, for row ``post_id``, waits for the advisory
-    lock ``key``: whoever holds that lock keeps the writer's batch in flight (for as long as
-    the test needs on a slow machine: the wait is not cut at the job's lock_timeout)."""
+    lock ``key``: whoever holds that lock keeps the writer's batch in flight, until the job's
+    lock_timeout cuts the wait or, with ``hold`` (e.g. ``'5min'``), that long (for a test that
+    must hold the batch longer than a slow machine may take to act on it)."""
+    setting = f"SET lock_timeout = '{hold}' " if hold else ""
     db.q(
         "CREATE OR REPLACE FUNCTION public.pin_test_gate() RETURNS trigger LANGUAGE plpgsql "
-        "SET lock_timeout = '5min' AS "
-        f"$$ BEGIN IF NEW.id = '{post_id}'::uuid THEN PERFORM pg_advisory_xact_lock({int(key)}); "
-        "END IF; RETURN NEW; END $$"
+        f"{setting}AS $$ BEGIN IF NEW.id = '{post_id}'::uuid THEN "
+        f"PERFORM pg_advisory_xact_lock({int(key)}); END IF; RETURN NEW; END $$"
     )
     db.q(
         f"CREATE TRIGGER pin_test_gate BEFORE UPDATE ON {table} FOR EACH ROW "

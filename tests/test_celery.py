@@ -214,7 +214,7 @@ def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
     db = stack.news
     label_test_connection(db)
     ids, drift = news_posts(db, 4000, seed=1)
-    helpers.install_gate(db, "news.posts", next(p for p in ids[500:] if p in drift))
+    helpers.install_gate(db, "news.posts", next(p for p in ids[500:] if p in drift), hold="5min")
     gate = psycopg.connect(db.dsn, autocommit=True, application_name="pin-test")
     gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
     with JobConnections(db.dsn) as jc:
@@ -267,7 +267,7 @@ def test_a_worker_killed_mid_range_is_retried_on_the_other_worker_from_its_curso
     batch = 25
     # a drifted post 60 % into range 0 (posts 0..499): batches before it are committed
     gated = next(p for p in ids[300:] if p in drift)
-    helpers.install_gate(db, "news.posts", gated)
+    helpers.install_gate(db, "news.posts", gated, hold="5min")
     gate = psycopg.connect(db.dsn, autocommit=True)
     gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
     try:
@@ -394,7 +394,7 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
     gated = next(
         c for c in po[180:] if helpers.reference_popularity_score(history[c], today, 30, 7) > 0
     )
-    helpers.install_gate(db, "catalog.property_object_cards", gated)
+    helpers.install_gate(db, "catalog.property_object_cards", gated, hold="5min")
     gate = psycopg.connect(db.dsn, autocommit=True)
     gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
     with JobConnections(db.dsn) as jc:

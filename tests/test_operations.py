@@ -349,7 +349,7 @@ def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
     db = stack.news
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(40, drift_every=1)
-    helpers.install_gate(db, "news.posts", ids[27])
+    helpers.install_gate(db, "news.posts", ids[27], hold="5min")
     gate = psycopg.connect(db.dsn, autocommit=True)
     gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
     try:
