@@ -20,6 +20,7 @@ import pendulum
 from airflow.sdk import Asset, Param
 
 from pin_nightly import jobs, metrics, partitions, ranges, runs, sweeps
+from pin_nightly import lease as leases
 from pin_nightly.db import JobConfigError, connection, fetch_dicts, fetch_one_dict, sql, transaction
 from pin_nightly.jobs import parse_uuids
 from pin_nightly.runs import LOCK_HELD
@@ -57,8 +58,27 @@ CARD_COLUMNS = ["id", "status", "popularity_views", "popularity_score", "updated
 class Popularity(jobs.Job):
     """The recompute's part of a run (see :class:`jobs.Job`): a pass per card kind."""
 
-    def tonight(self, conn, run: runs.Run, part: str | None) -> runs.Pass | None:
-        return _tonight(conn, run, part)
+    def tonight(self, conn, run: runs.Run, kind: str | None) -> runs.Pass | None:
+        """The pass the DAG's planning task of ``kind`` opens tonight (see :func:`pass_order`)
+        for as_of_date, with its share of the run's budget; None when the run may write nothing."""
+        opts = run.opts
+        with transaction(conn) as cur:
+            why = _backfill_guard(cur, opts)
+            order = pass_order(cur, opts)
+            family = order[[k.name for k in CARD_KINDS].index(kind)]
+            worker = Recompute(opts, None, run.run_id, family)
+            share = budget_share(cur, order[order.index(family) :], worker.source)
+        if why is not None:
+            log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
+            return None
+        if family != kind:
+            log.info(
+                "the %s pass is behind (its pass of the night before did not finish): it goes "
+                "first tonight, passes %s",
+                order[0],
+                " then ".join(order),
+            )
+        return runs.Pass(_spec(family, opts), worker, family, share)
 
     def worker(self, run: runs.Run, rng: dict[str, Any]) -> Recompute:
         # the pass its planning task opened: tonight's order may differ from the DAG's
@@ -88,13 +108,61 @@ class Popularity(jobs.Job):
         result["resumed"] = runs.resumed(totals, run.lease)
 
     def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:
-        _settle(conn, run.opts, result)
+        """A run that may write nothing says so in its status (else ``success`` only when both
+        passes of ``as_of_date`` completed and no sweep is left unfinished); the staleness figures
+        come from the newest as_of_date whose passes all completed, whichever run completed them;
+        a dry run reports what it would have written."""
+        with transaction(conn) as cur:
+            why = _backfill_guard(cur, run.opts)
+            cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
+            scored = fetch_one_dict(cur)
+        if why is not None:
+            result["status"] = f"nothing written: {why}"
+        if scored is not None:
+            result["scores_as_of_date"] = scored["as_of_date"].isoformat()
+            result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
+            result["cards_unscored"] = scored["cards_unscored"]
+        if run.dry_run:  # nothing was written: report what would have been
+            result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
+            result.update({k: 0 for k in DRY_RUN_FIELDS})
 
     def signals(self, run: runs.Run, result, cur, window, nightly: bool) -> runs.Signals:  # noqa: ARG002
-        return _signals(run.opts, result, window)
+        """What the run's first summary sends: what it did, and the time its work completed."""
+        opts = run.opts
+        cards = (
+            [f"{METRIC}_cards_total", result[f"{k.result}_processed"], {"card_kind": k.name}]
+            for k in CARD_KINDS
+        )
+        signals = runs.Signals(
+            counters=[[f"{METRIC}_snapshots_total", result["snapshots_pruned"], {"op": "pruned"}]],
+            run_totals=[
+                *cards,
+                [f"{METRIC}_snapshots_total", result["snapshots_written"], {"op": "written"}],
+                [f"{METRIC}_errors_total", result["item_errors"], None],
+            ],
+            # the exporter's mapping turns the milliseconds into the spec's seconds
+            timings=[[f"{METRIC}_duration_seconds", result["duration_ms"], None]],
+        )
+        # success means the nightly work was done: both passes, nothing left, not a targeted run,
+        # the nightly's formula
+        if result["status"] == "success" and not opts["card_ids"] and not formula_variant(opts):
+            done = window.work_done_at.timestamp()
+            signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
+        return signals
 
     def emit_state(self, conn) -> None:
-        _emit_state(conn)
+        """The gauges of how fresh the scores are, from the database: the newest as_of_date whose
+        passes all completed and its age. Sent by the summary and again by the teardown, which runs
+        when the summary failed (a complete night whose summary was lost is still seen)."""
+        runs.close_finished(conn, JOB.code)
+        with transaction(conn) as cur:
+            cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
+            scored = fetch_one_dict(cur)
+        if scored is not None:
+            metrics.gauge("catalog_popularity_score_staleness_hours", scored["staleness_hours"])
+            metrics.gauge(f"{METRIC}_scored_date_timestamp_seconds", scored["as_of_epoch"])
+            # cards a night could not take (locked by others through its retry): not fresh
+            metrics.gauge(f"{METRIC}_cards_unscored", scored["cards_unscored"])
 
     def params(self) -> dict[str, Any]:
         return PARAMS
@@ -110,7 +178,24 @@ class Popularity(jobs.Job):
         return retention(run)
 
     def asset_extra(self, result: dict[str, Any]) -> dict[str, Any] | None:
-        return asset_extra(result)
+        """The extra of the scores' asset event for a run's result, or None when the run published
+        no fresh scores: only a real run (not dry, not targeted) that completed both passes of its
+        as_of_date with the nightly's formula and left nothing unfinished."""
+        if (
+            result["status"] != "success"
+            or result["dry_run"]
+            or result.get("targeted")
+            or result.get("formula_variant")
+            or result["scores_as_of_date"] != result["as_of_date"]
+        ):
+            return None
+        return {
+            "as_of_date": result["as_of_date"],
+            "cards_scored": sum(result[f"{k.result}_processed"] for k in CARD_KINDS),
+            "snapshots_written": result["snapshots_written"],
+            "resumed": result["resumed"],
+            "run_id": result["run_id"],
+        }
 
     def rows_tried(self, result: dict[str, Any]) -> int:
         return sum(result[f"{k.result}_processed"] for k in CARD_KINDS)  # failures included
@@ -195,8 +280,7 @@ DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 PER_KIND = {"updated": "changed", "processed": "processed", "skipped_locked": "skipped_locked"}
 # In a dry run these stay 0 in the result; dry_run_report holds what the run would have done.
 DRY_RUN_FIELDS = (
-    "property_object_cards_updated",
-    "project_cards_updated",
+    *(f"{k.result}_updated" for k in CARD_KINDS),
     "snapshots_written",
     "snapshots_pruned",
 )
@@ -273,29 +357,6 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
     if g["newest_snapshot"] is not None and g["newest_snapshot"] > as_of:
         return f"as_of_date older than snapshots of {g['newest_snapshot']}"
     return None
-
-
-def _tonight(conn, run: runs.Run, kind: str) -> runs.Pass | None:
-    """The pass the DAG's planning task of ``kind`` opens tonight (see :func:`pass_order`)
-    for as_of_date, with its share of the run's budget; None when the run may write nothing."""
-    opts = run.opts
-    with transaction(conn) as cur:
-        why = _backfill_guard(cur, opts)
-        order = pass_order(cur, opts)
-        family = order[[k.name for k in CARD_KINDS].index(kind)]
-        worker = Recompute(opts, None, run.run_id, family)
-        share = budget_share(cur, order[order.index(family) :], worker.source)
-    if why is not None:
-        log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
-        return None
-    if family != kind:
-        log.info(
-            "the %s pass is behind (its pass of the night before did not finish): it goes "
-            "first tonight, passes %s",
-            order[0],
-            " then ".join(order),
-        )
-    return runs.Pass(_spec(family, opts), worker, family, share)
 
 
 def _spec(family: str, opts: dict[str, Any]) -> sweeps.SweepSpec:
@@ -543,7 +604,8 @@ def retention(run: runs.Run) -> int:
     if run.lease is None or opts["card_ids"]:
         log.info("retention skipped (%s)", "targeted run" if opts["card_ids"] else LOCK_HELD)
         return 0
-    lease = runs.rejoin_lease(run)
+    with run.connect() as conn:
+        lease = leases.rejoin(conn, run.held())
     keep = retention_days(opts)
     params = {"as_of": opts["as_of_date"], "keep_days": keep}
     with connection(JOB.conn_id) as conn:
@@ -568,82 +630,3 @@ def retention(run: runs.Run) -> int:
         "would be pruned (dry run)" if opts["dry_run"] else "pruned",
     )
     return pruned
-
-
-def _settle(conn, opts: dict[str, Any], result: dict[str, Any]) -> None:
-    """A run that may write nothing says so in its status (else ``success`` only when both
-    passes of ``as_of_date`` completed and no sweep is left unfinished); the staleness figures
-    come from the newest as_of_date whose passes all completed, whichever run completed them;
-    a dry run reports what it would have written."""
-    with transaction(conn) as cur:
-        why = _backfill_guard(cur, opts)
-        cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
-        scored = fetch_one_dict(cur)
-    if why is not None:
-        result["status"] = f"nothing written: {why}"
-    if scored is not None:
-        result["scores_as_of_date"] = scored["as_of_date"].isoformat()
-        result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
-        result["cards_unscored"] = scored["cards_unscored"]
-    if opts["dry_run"]:  # nothing was written: report what would have been
-        result["dry_run_report"] = {k: result[k] for k in DRY_RUN_FIELDS}
-        result.update({k: 0 for k in DRY_RUN_FIELDS})
-
-
-def _signals(opts: dict[str, Any], result: dict[str, Any], window) -> runs.Signals:
-    """What the run's first summary sends: what it did, and the time its work completed."""
-    signals = runs.Signals(
-        counters=[[f"{METRIC}_snapshots_total", result["snapshots_pruned"], {"op": "pruned"}]],
-        run_totals=[
-            *(
-                [f"{METRIC}_cards_total", result[f"{k.result}_processed"], {"card_kind": k.name}]
-                for k in CARD_KINDS
-            ),
-            [f"{METRIC}_snapshots_total", result["snapshots_written"], {"op": "written"}],
-            [f"{METRIC}_errors_total", result["item_errors"], None],
-        ],
-        # the exporter's mapping turns the milliseconds into the spec's seconds
-        timings=[[f"{METRIC}_duration_seconds", result["duration_ms"], None]],
-    )
-    # success means the nightly work was done: both passes, nothing left, not a targeted run,
-    # the nightly's formula
-    if result["status"] == "success" and not opts["card_ids"] and not formula_variant(opts):
-        done = window.work_done_at.timestamp()
-        signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
-    return signals
-
-
-def _emit_state(conn) -> None:
-    """The gauges of how fresh the scores are, from the database: the newest as_of_date whose
-    passes all completed and its age. Sent by the summary and again by the teardown, which runs
-    when the summary failed (a complete night whose summary was lost is still seen)."""
-    runs.close_finished(conn, JOB.code)
-    with transaction(conn) as cur:
-        cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
-        scored = fetch_one_dict(cur)
-    if scored is not None:
-        metrics.gauge("catalog_popularity_score_staleness_hours", scored["staleness_hours"])
-        metrics.gauge(f"{METRIC}_scored_date_timestamp_seconds", scored["as_of_epoch"])
-        # cards a night could not take (locked by others through its retry): not fresh
-        metrics.gauge(f"{METRIC}_cards_unscored", scored["cards_unscored"])
-
-
-def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
-    """The extra of the scores' asset event for a run's result, or None when the run published
-    no fresh scores: only a real run (not dry, not targeted) that completed both passes of its
-    as_of_date with the nightly's formula and left nothing unfinished."""
-    if (
-        result["status"] != "success"
-        or result["dry_run"]
-        or result.get("targeted")
-        or result.get("formula_variant")
-        or result["scores_as_of_date"] != result["as_of_date"]
-    ):
-        return None
-    return {
-        "as_of_date": result["as_of_date"],
-        "cards_scored": sum(result[f"{k.result}_processed"] for k in CARD_KINDS),
-        "snapshots_written": result["snapshots_written"],
-        "resumed": result["resumed"],
-        "run_id": result["run_id"],
-    }

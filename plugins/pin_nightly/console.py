@@ -29,6 +29,7 @@ from pin_nightly.db import (
     connection,
     fetch_dicts,
     fetch_one_dict,
+    from_database,
     resolve,
     sql,
     sqlstate,
@@ -173,7 +174,7 @@ def read_job(job: ConsoleJob, days: int = NIGHTS) -> dict[str, Any]:
         code = sqlstate(exc)
         if code in ("42P01", "42703"):  # undefined table / column
             return {**out, "state": "schema", "message": _schema_message(exc)}
-        if code is None and not _from_database(exc):
+        if code is None and not from_database(exc):
             raise
         log.warning("console: reading %s failed: %s", job.dag_id, exc)
         return {**out, "state": "unreachable", "message": f"reading the job database failed: {exc}"}
@@ -190,10 +191,6 @@ def _schema_message(exc: BaseException) -> str:
         "the job database's schema is older than this console expects: "
         f"{str(exc).strip().splitlines()[0]}; a DBA applies include/sql/schema/pin_nightly.sql"
     )
-
-
-def _from_database(exc: BaseException) -> bool:
-    return type(exc).__module__.split(".")[0] in ("psycopg", "psycopg2")
 
 
 def _read(cur, job: ConsoleJob, days: int) -> dict[str, Any]:
@@ -237,7 +234,7 @@ def read_signals(conn, job: ConsoleJob) -> dict[str, Any]:
             )
             row = fetch_one_dict(cur)
     except Exception as exc:
-        if sqlstate(exc) is None and not _from_database(exc):
+        if sqlstate(exc) is None and not from_database(exc):
             raise
         first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
         return {"signals": [], "can_read_stats": False, "signals_error": first}
@@ -332,28 +329,14 @@ def _team(dag_id: str) -> str | None:
     return DagModel.get_team_name(dag_id)
 
 
-def readable(user) -> list[ConsoleJob]:
-    """The jobs whose DAG the auth manager lets ``user`` read."""
-    from airflow.api_fastapi.app import get_auth_manager
-    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
-
-    manager = get_auth_manager()
-    return [
-        j
-        for j in jobs()
-        if manager.is_authorized_dag(
-            method="GET", details=DagDetails(id=j.dag_id, team_name=_team(j.dag_id)), user=user
-        )
-    ]
-
-
-def may_edit(user, dag_id: str) -> bool:
-    """Whether the auth manager lets ``user`` edit the DAG (give its sweeps controls)."""
+def authorized(user, dag_id: str, method: str = "GET") -> bool:
+    """Whether the auth manager lets ``user`` read the DAG (``GET``), or edit it (``PUT``: give
+    its sweeps controls)."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
 
     details = DagDetails(id=dag_id, team_name=_team(dag_id))
-    return get_auth_manager().is_authorized_dag(method="PUT", details=details, user=user)
+    return get_auth_manager().is_authorized_dag(method=method, details=details, user=user)
 
 
 def give_control(user, dag_id: str, sweep_id: int, action: str, settings) -> controls.Control:
@@ -365,7 +348,7 @@ def give_control(user, dag_id: str, sweep_id: int, action: str, settings) -> con
     job = {j.dag_id: j for j in (news.JOB, catalog.JOB)}.get(dag_id)
     if job is None:
         raise controls.ControlError(f"{dag_id} is not a pin-nightly DAG", 404)
-    if not may_edit(user, dag_id):
+    if not authorized(user, dag_id, "PUT"):
         raise controls.ControlError(f"Forbidden: you may not edit {dag_id}", 403)
     with connection(job.conn_id) as conn:
         return controls.give(conn, job, sweep_id, action, user.get_name(), settings)
@@ -666,10 +649,10 @@ def create_app():
 def _states(user) -> list[dict[str, Any]]:
     from fastapi import HTTPException
 
-    allowed = readable(user)
+    allowed = [j for j in jobs() if authorized(user, j.dag_id)]
     if not allowed:
         raise HTTPException(403, "Forbidden: you may read neither pin-nightly DAG")
-    return [{**read_job(j), "may_edit": may_edit(user, j.dag_id)} for j in allowed]
+    return [{**read_job(j), "may_edit": authorized(user, j.dag_id, "PUT")} for j in allowed]
 
 
 def _add_pages(app) -> None:

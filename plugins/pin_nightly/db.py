@@ -23,6 +23,12 @@ class DatabaseUnavailable(RuntimeError):
     """The job's database cannot be reached (retryable: Airflow retries the task)."""
 
 
+def from_database(exc: BaseException) -> bool:
+    """An error of the database or of reaching it (psycopg 3 or psycopg2), not of the code."""
+    driver = type(exc).__module__.split(".")[0] in ("psycopg", "psycopg2")
+    return driver or isinstance(exc, DatabaseUnavailable)
+
+
 def sql_dir() -> Path:
     """``include/sql`` next to ``plugins/`` (override with ``PIN_SQL_DIR``)."""
     override = os.environ.get("PIN_SQL_DIR")
@@ -71,11 +77,8 @@ def resolve(conn_id: str):
     """The ``PostgresHook`` of an Airflow connection that must exist (:class:`JobConfigError`
     naming it otherwise), without connecting."""
     from airflow.providers.postgres.hooks.postgres import PostgresHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
 
-    try:
-        from airflow.sdk.exceptions import AirflowNotFoundException
-    except ImportError:  # pragma: no cover - older layouts
-        from airflow.exceptions import AirflowNotFoundException
     try:
         hook = PostgresHook(postgres_conn_id=conn_id)
         hook.connection  # noqa: B018 - resolves the Airflow connection

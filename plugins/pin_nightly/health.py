@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pin_nightly import metrics
-from pin_nightly.db import DatabaseUnavailable, connect, fetch_one_dict, sql, transaction
+from pin_nightly.db import connect, fetch_one_dict, from_database, sql, transaction
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Health:
                 cur.execute(sql("health/replica"))
                 row = fetch_one_dict(cur)
         except Exception as exc:
-            if not _from_database(exc):
+            if not from_database(exc):
                 raise
             self._drop_replica(conn_id)
             return (str(exc).strip() or type(exc).__name__).splitlines()[0]
@@ -343,14 +343,6 @@ class Health:
 
 def _all(over: list[Reading]) -> str:
     return "; ".join(map(str, over))
-
-
-def _from_database(exc: BaseException) -> bool:
-    """An error of the database or of reaching it (psycopg 3 or psycopg2), not of the code."""
-    return isinstance(exc, DatabaseUnavailable) or type(exc).__module__.split(".")[0] in (
-        "psycopg",
-        "psycopg2",
-    )
 
 
 def sleep_unless_stopped(seconds: float, stop) -> bool:

@@ -309,23 +309,19 @@ def pace_params() -> dict[str, Any]:
 PER_RUN = frozenset({"scope", "post_ids", "card_ids", "dry_run"})
 
 
-def settings_variable(job: Job) -> str:
-    """The Airflow Variable holding a deployment's defaults of the job's params: a JSON object,
-    set in the UI, a secrets backend or ``AIRFLOW_VAR_PIN_NIGHTLY_<DAG_ID>``."""
-    return f"pin_nightly_{job.dag_id}"
-
-
 def deployment_settings(
     job: Job, spec: dict[str, Any], params: dict[str, Any], conf: dict[str, Any] | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``params`` with the deployment's settings (:func:`settings_variable`, read at run time)
-    in place of the code's defaults, and the settings applied: a value the run's ``conf`` gives
-    wins. Each setting is checked against its param's schema before anything is written."""
+    """``params`` with the deployment's settings in place of the code's defaults, and the
+    settings applied: a value the run's ``conf`` gives wins. The settings are read at run time
+    from the Airflow Variable ``pin_nightly_<dag_id>``: a JSON object, set in the UI, a secrets
+    backend or ``AIRFLOW_VAR_PIN_NIGHTLY_<DAG_ID>``. Each setting is checked against its
+    param's schema before anything is written."""
     import json
 
     from airflow.sdk import Variable
 
-    name = settings_variable(job)
+    name = f"pin_nightly_{job.dag_id}"
     raw = Variable.get(name, default=None)
     if raw is None:
         return params, {}
@@ -438,7 +434,14 @@ def acquire_lease(job: Job, opts: dict[str, Any], run_id: str) -> dict[str, Any]
         resolve(replica)  # a named replica's connection must exist before anything is written
     with connection(job.conn_id) as conn:
         warnings = preflight(conn, job)
-        got = _take_lease(conn, job, opts, holder)
+        ttl, budget = opts["lock_ttl_minutes"], opts["max_run_duration_minutes"]
+        try:
+            got = leases.acquire(conn, job.lock_key, holder, ttl, budget)
+        except BaseException:
+            # the lease may be written and this task still fail (the connection lost after the
+            # commit): the run's teardown does not run when its setup failed, so free it here
+            leases.release_holder(conn, job.lock_key, holder)
+            raise
     if isinstance(got, leases.LeaseHeld):
         log.warning(
             "%s: %s (key=%s holder=%s expires_at=%s)",
@@ -458,18 +461,6 @@ def acquire_lease(job: Job, opts: dict[str, Any], run_id: str) -> dict[str, Any]
     )
     trace = tracing.new_run(run_attributes(job, opts, run_id, holder))
     return {**got.to_xcom(), "acquired": True, "warnings": warnings, "trace": trace}
-
-
-def _take_lease(conn, job: Job, opts: dict[str, Any], holder: str):
-    """:func:`lease.acquire` for the run's holder, with the run's TTL and budget."""
-    ttl, budget = opts["lock_ttl_minutes"], opts["max_run_duration_minutes"]
-    try:
-        return leases.acquire(conn, job.lock_key, holder, ttl, budget)
-    except BaseException:
-        # the lease may be written and this task still fail (the connection lost after the
-        # commit): the run's teardown does not run when its setup failed, so free it here
-        leases.release_holder(conn, job.lock_key, holder)
-        raise
 
 
 def run_attributes(job: Job, opts: dict[str, Any], run_id: str, holder: str) -> dict[str, Any]:

@@ -16,18 +16,6 @@ from typing import Any
 
 from pin_nightly.db import fetch_one_dict, sql, transaction
 
-__all__ = [
-    "Lease",
-    "LeaseHeld",
-    "LeaseLost",
-    "acquire",
-    "fence",
-    "rejoin",
-    "renew",
-    "release",
-    "release_holder",
-]
-
 log = logging.getLogger(__name__)
 
 
@@ -60,18 +48,10 @@ class LeaseHeld:
     expires_at: str
 
 
-def acquire(conn, lock_key: str, holder: str, ttl_minutes: float, max_run_minutes: float):
-    """Take the lease; return :class:`Lease`, or :class:`LeaseHeld` when someone else has it.
-    A holder that still has it live (the setup task re-run when one range task of a run is
-    cleared while its siblings run) keeps it as it is: its token, so the siblings are not fenced
-    out, and its deadline, so the run's budget does not start again."""
-    return _take(conn, lock_key, holder, ttl_minutes, max_run_minutes)
-
-
 def rejoin(conn, lease: Lease) -> Lease:
     """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
     another run holds it. A new lease (new token, new time budget) is logged."""
-    got = _take(conn, lease.lock_key, lease.holder, lease.ttl_minutes, lease.max_run_minutes)
+    got = acquire(conn, lease.lock_key, lease.holder, lease.ttl_minutes, lease.max_run_minutes)
     if isinstance(got, LeaseHeld):
         raise LeaseLost(
             f"lease {lease.lock_key!r} is held by {got.holder} (until "
@@ -90,7 +70,11 @@ def rejoin(conn, lease: Lease) -> Lease:
     return got
 
 
-def _take(conn, lock_key: str, holder: str, ttl_minutes, max_run_minutes) -> Lease | LeaseHeld:
+def acquire(conn, lock_key: str, holder: str, ttl_minutes, max_run_minutes) -> Lease | LeaseHeld:
+    """Take the lease; return :class:`Lease`, or :class:`LeaseHeld` when someone else has it.
+    A holder that still has it live (the setup task re-run when one range task of a run is
+    cleared while its siblings run) keeps it as it is: its token, so the siblings are not fenced
+    out, and its deadline, so the run's budget does not start again."""
     params = {"lock_key": lock_key, "holder": holder, "ttl_minutes": ttl_minutes}
     params["max_run_minutes"] = max_run_minutes
     with transaction(conn) as cur:

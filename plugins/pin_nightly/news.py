@@ -80,7 +80,17 @@ class News(jobs.Job):
         result["drift_corrected"] = 0 if run.dry_run else total.changed
 
     def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:  # noqa: ARG002
-        _tidy(conn, run.holder)
+        """Forget what no run needs any more: window candidates of finished sweeps, and skipped
+        posts that a completed sweep has covered since."""
+        with transaction(conn) as cur:
+            cur.execute(sql("news/prune_candidates"), {"job": JOB.code, "owner": run.holder})
+            if cur.rowcount:
+                log.info("deleted %d window candidates of finished sweeps", cur.rowcount)
+            cur.execute(sql("news/prune_skipped"), {"job": JOB.code})
+            if cur.rowcount:
+                log.info(
+                    "forgot %d skipped posts that a completed sweep covered since", cur.rowcount
+                )
 
     def params(self) -> dict[str, Any]:
         return PARAMS
@@ -89,16 +99,67 @@ class News(jobs.Job):
         return validate_options(params, instant, nightly)
 
     def asset_extra(self, result: dict[str, Any]) -> dict[str, Any] | None:
-        return asset_extra(result)
+        """The extra of the asset event of a run that completed its sweep, or None: a dry run, a
+        targeted repair, a run that found the lease held or left work unfinished publish nothing."""
+        if result["status"] != "success" or result["dry_run"] or result["scope"] == "Targeted":
+            return None
+        return {
+            "scope": result["scope"],
+            "posts_reconciled": result["posts_reconciled"],
+            "drift_corrected": result["drift_corrected"],
+            "run_id": result["run_id"],
+        }
 
     def rows_tried(self, result: dict[str, Any]) -> int:
         return result["posts_reconciled"] + result["item_errors"]
 
     def signals(self, run: runs.Run, result, cur, window, nightly: bool) -> runs.Signals:
-        return _signals(run.opts, result, cur, window, nightly)
+        """What the run's first summary sends. The drift figures come from the corrections
+        recorded in ``pin_nightly.news_drift``, not from the run's counters: a correction made by a
+        run that died before its summary is counted by the next one. The gauges that the alert
+        rules compare describe the nightly work: only a nightly run sets them, with the drift
+        corrected since the previous nightly summary."""
+        keys = ("since_any", "since_nightly", "through", "acquired_at")
+        cur.execute(sql("news/drift_counted"), {k: getattr(window, k) for k in keys})
+        counted = fetch_one_dict(cur)
+        threshold = run.opts["drift_alert_threshold"]
+        signals = runs.Signals(
+            counters=[
+                [f"{METRIC}_drift_corrected_total", counted["corrected"], None],
+                *_by_direction(f"{METRIC}_drift_total", counted, "corrected"),
+            ],
+            run_totals=[
+                [f"{METRIC}_posts_reconciled_total", result["posts_reconciled"], None],
+                # posts a batch could not write (pin_nightly.item_error); failed tasks count apart
+                [f"{METRIC}_errors_total", result["item_errors"], None],
+            ],
+            timings=[[f"{METRIC}_run_duration_ms", result["duration_ms"], None]],
+        )
+        if nightly:
+            drift, since = counted["nightly"], "since the previous nightly run's summary"
+            signals.gauges += _nightly_gauges(result, counted, threshold)
+        else:
+            drift, since = counted["own"], "in this run"
+        # success means the nightly work was done: not a targeted repair, nothing left behind
+        if result["status"] == "success" and result["scope"] != "Targeted":
+            done = window.work_done_at.timestamp()
+            signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
+        if window.current and drift > threshold:
+            signals.alert = {"drift_corrected": drift, "threshold": threshold, "counted": since}
+        return signals
 
     def emit_state(self, conn) -> None:
-        _emit_state(conn)
+        """The gauges of what the job has covered, from the database: when the newest FullSweep and
+        DailyWindow completed. Sent by the summary and again by the teardown, which runs when the
+        summary failed."""
+        runs.close_finished(conn, JOB.code)
+        with transaction(conn) as cur:
+            cur.execute(sql("common/sweeps_last_completed"), {"job": JOB.code})
+            completed = dict(cur.fetchall())
+        if "FullSweep" in completed:
+            metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
+        if "DailyWindow" in completed:
+            metrics.gauge(f"{METRIC}_last_daily_window_timestamp_seconds", completed["DailyWindow"])
 
     def alert(self, run: runs.Run, alert: dict[str, Any]) -> None:
         from pin_nightly import alerts
@@ -397,42 +458,6 @@ def make_batch(opts: dict[str, Any], sweep_id: int, run_id: str, candidate_mode:
     return Reconcile(opts, sweep_id, run_id, candidate_mode)
 
 
-def _signals(opts: dict[str, Any], result: dict[str, Any], cur, window, nightly: bool):
-    """What the run's first summary sends. The drift figures come from the corrections
-    recorded in ``pin_nightly.news_drift``, not from the run's counters: a correction made by a
-    run that died before its summary is counted by the next one. The gauges that the alert
-    rules compare describe the nightly work: only a nightly run sets them, with the drift
-    corrected since the previous nightly summary."""
-    keys = ("since_any", "since_nightly", "through", "acquired_at")
-    cur.execute(sql("news/drift_counted"), {k: getattr(window, k) for k in keys})
-    counted = fetch_one_dict(cur)
-    threshold = opts["drift_alert_threshold"]
-    signals = runs.Signals(
-        counters=[
-            [f"{METRIC}_drift_corrected_total", counted["corrected"], None],
-            *_by_direction(f"{METRIC}_drift_total", counted, "corrected"),
-        ],
-        run_totals=[
-            [f"{METRIC}_posts_reconciled_total", result["posts_reconciled"], None],
-            # posts a batch could not write (pin_nightly.item_error); failed tasks count apart
-            [f"{METRIC}_errors_total", result["item_errors"], None],
-        ],
-        timings=[[f"{METRIC}_run_duration_ms", result["duration_ms"], None]],
-    )
-    if nightly:
-        drift, since = counted["nightly"], "since the previous nightly run's summary"
-        signals.gauges += _nightly_gauges(result, counted, threshold)
-    else:
-        drift, since = counted["own"], "in this run"
-    # success means the nightly work was done: not a targeted repair, nothing left behind
-    if result["status"] == "success" and result["scope"] != "Targeted":
-        done = window.work_done_at.timestamp()
-        signals.gauges.append([f"{METRIC}_last_success_timestamp_seconds", done, None])
-    if window.current and drift > threshold:
-        signals.alert = {"drift_corrected": drift, "threshold": threshold, "counted": since}
-    return signals
-
-
 def _nightly_gauges(result: dict[str, Any], counted: dict[str, int], threshold: int) -> list:
     """The gauges that describe the nightly work, which the alert rules compare: the night's
     corrections (``counted`` by ``news/drift_counted``), in all and by direction."""
@@ -453,46 +478,3 @@ DIRECTIONS = ("up", "down")
 def _by_direction(name: str, counted: dict[str, int], window: str) -> list:
     """The metric ``name`` once per direction, from the ``<window>_<direction>`` counts."""
     return [[name, counted[f"{window}_{d}"], {"direction": d}] for d in DIRECTIONS]
-
-
-def asset_extra(result: dict[str, Any]) -> dict[str, Any] | None:
-    """The extra of the asset event of a run that completed its sweep, or None: a dry run, a
-    targeted repair, a run that found the lease held or left work unfinished publish nothing."""
-    if result["status"] != "success" or result["dry_run"] or result["scope"] == "Targeted":
-        return None
-    return {
-        "scope": result["scope"],
-        "posts_reconciled": result["posts_reconciled"],
-        "drift_corrected": result["drift_corrected"],
-        "run_id": result["run_id"],
-    }
-
-
-def _emit_state(conn) -> None:
-    """The gauges of what the job has covered, from the database: when the newest FullSweep and
-    DailyWindow completed. Sent by the summary and again by the teardown, which runs when the
-    summary failed."""
-    runs.close_finished(conn, JOB.code)
-    completed = _last_completed(conn)
-    if "FullSweep" in completed:
-        metrics.gauge(f"{METRIC}_last_full_sweep_timestamp_seconds", completed["FullSweep"])
-    if "DailyWindow" in completed:
-        metrics.gauge(f"{METRIC}_last_daily_window_timestamp_seconds", completed["DailyWindow"])
-
-
-def _tidy(conn, owner: str) -> None:
-    """Forget what no run needs any more: window candidates of finished sweeps, and skipped
-    posts that a completed sweep has covered since."""
-    with transaction(conn) as cur:
-        cur.execute(sql("news/prune_candidates"), {"job": JOB.code, "owner": owner})
-        if cur.rowcount:
-            log.info("deleted %d window candidates of finished sweeps", cur.rowcount)
-        cur.execute(sql("news/prune_skipped"), {"job": JOB.code})
-        if cur.rowcount:
-            log.info("forgot %d skipped posts that a completed sweep covered since", cur.rowcount)
-
-
-def _last_completed(conn) -> dict[str, float]:
-    with transaction(conn) as cur:
-        cur.execute(sql("common/sweeps_last_completed"), {"job": JOB.code})
-        return dict(cur.fetchall())

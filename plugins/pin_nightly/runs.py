@@ -185,7 +185,10 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             job.emit_state(conn)
     log.info(job.completed, result)
     if run.lease is not None:
-        release_lease(run)
+        # the summary releases too: the teardown does not run again when only a run's failed
+        # tasks are cleared
+        with run.connect() as conn:
+            leases.release(conn, run.lease)
         if signals is not None:
             metrics.gauge(f"{job.dag_id}_backlog_remaining", int(result["backlog_remaining"]))
             signals[0].send(signals[1], functools.partial(job.alert, run))
@@ -209,7 +212,8 @@ def _count_run(conn, run: Run, result: dict[str, Any]) -> None:
     failed = _mostly_failed(conn, run, result)
     run.job.settle(conn, run, result)
     result["status"] = failed or result["status"]
-    result["duration_ms"] = elapsed_ms(run.lease)
+    started = datetime.fromisoformat(run.held().acquired_at)
+    result["duration_ms"] = int((datetime.now(UTC) - started).total_seconds() * 1000)
 
 
 # A run in which most of the rows it tried failed (and at least this many) is not a success: a
@@ -248,13 +252,6 @@ def new_result(run: Run) -> dict[str, Any]:
     }
 
 
-def elapsed_ms(lease: leases.Lease | None) -> int:
-    if lease is None:
-        return 0
-    started = datetime.fromisoformat(lease.acquired_at)
-    return int((datetime.now(UTC) - started).total_seconds() * 1000)
-
-
 def resumed(totals: list[dict[str, Any]], lease: leases.Lease) -> bool:
     """Whether the acquisition worked a sweep opened before it began (it resumed earlier
     work), from :func:`run_totals`."""
@@ -279,16 +276,6 @@ def prune_history(conn, run: Run) -> dict[str, int]:
     return pruned
 
 
-def release_lease(run: Run) -> bool:
-    """Release the lease if this run holds it: the teardown task, and the summary (the
-    teardown does not run again when only a run's failed tasks are cleared)."""
-    if run.lease is None:
-        log.info("no lease was taken by this run: nothing to release")
-        return False
-    with run.connect() as conn:
-        return leases.release(conn, run.lease)
-
-
 def teardown(run: Run) -> bool:
     """The teardown task: release the lease, then send the job's state gauges (on the same
     connection: the teardown runs when the summary failed, and the work a run completed is
@@ -301,12 +288,6 @@ def teardown(run: Run) -> bool:
         run.job.emit_state(conn)
     tracing.end_run(run.trace, datetime.fromisoformat(run.lease.acquired_at))
     return released
-
-
-def rejoin_lease(run: Run) -> leases.Lease:
-    """The lease of this run, taken again when it is gone (see :func:`lease.rejoin`)."""
-    with run.connect() as conn:
-        return leases.rejoin(conn, run.held())
 
 
 def run_totals(conn, job: str, run_id: str) -> list[dict[str, Any]]:

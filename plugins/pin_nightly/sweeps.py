@@ -316,10 +316,6 @@ def _range_coverage(r: dict[str, Any]) -> tuple[list[Interval], list[Interval]]:
     return _nonempty((at, wrap_at)), _nonempty((wrap_at, hi)) + (_nonempty((lo, at)) if at else [])
 
 
-def _key(bound: str | None) -> tuple[bool, str]:
-    return (bound is not None, bound or "")
-
-
 def _merged(intervals: list[Interval]) -> list[Interval]:
     """Consecutive intervals that meet, as one."""
     out: list[Interval] = []
@@ -340,7 +336,8 @@ def coverage(previous: list[dict[str, Any]]) -> tuple[list[Interval], list[Inter
         u, d = _range_coverage(r)
         unreached += u
         reached += d
-    return _merged(unreached), _merged(sorted(reached, key=lambda i: _key(i[0])))
+    reached.sort(key=lambda i: (i[0] is not None, i[0] or ""))  # an open lower end first
+    return _merged(unreached), _merged(reached)
 
 
 def _inside(i: Interval, piece: Interval) -> bool:
@@ -381,21 +378,8 @@ def range_descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]
     """
     out = []
     for s, pfx in [(sweep, prefix), *((o, o["family"]) for o in sweep.get("others", []))]:
-        out.extend(_descriptors(s, pfx))
-    return out
-
-
-def _descriptors(sweep: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
-    out = []
-    for r in sweep["ranges"]:
-        d = {
-            "sweep_id": sweep["sweep_id"],
-            "range_no": r["range_no"],
-            "prefix": prefix,
-            "family": sweep["family"],
-            "lower_id": r["lower_id"],
-            "upper_id": r["upper_id"],
-        }
-        d["label"] = range_label(d)
-        out.append(d)
+        for r in s["ranges"]:
+            d = {"sweep_id": s["sweep_id"], "range_no": r["range_no"], "prefix": pfx}
+            d.update(family=s["family"], lower_id=r["lower_id"], upper_id=r["upper_id"])
+            out.append({**d, "label": range_label(d)})
     return out
