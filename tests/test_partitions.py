@@ -79,13 +79,15 @@ def test_partitions_ahead_across_a_year_end(catalog_db):
     """The job's partitions of 29 December and the week after it run into the next year, one
     a night; a snapshot of each night lands in its own."""
     from pin_nightly import partitions as parts_mod
-    from pin_nightly.db import connection
+    from pin_nightly.db import connection, transaction
 
     db = catalog_db
     db.partition(D)  # the table exists
     with connection("catalog_db") as conn:
-        assert parts_mod.ensure(conn, date(2025, 12, 29)) == 8
-        assert parts_mod.ensure(conn, date(2025, 12, 31)) == 2  # 6 and 7 January
+        with transaction(conn) as cur:
+            assert parts_mod.ensure(cur, date(2025, 12, 29)) == 8
+        with transaction(conn) as cur:
+            assert parts_mod.ensure(cur, date(2025, 12, 31)) == 2  # 6 and 7 January
     days = [date(2025, 12, 29) + timedelta(days=k) for k in range(10)]
     parts = partitions(db)
     assert [parts[night_partition(d)] for d in days] == [(d, d + timedelta(days=1)) for d in days]

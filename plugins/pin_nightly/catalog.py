@@ -238,9 +238,7 @@ JOB = Popularity(
 
 _MAX_WINDOW_DAYS = 3660  # larger overflows PostgreSQL's dates half-way through a run
 
-# The DAG's params: each option's type, default, bounds and description, defined once. Airflow
-# checks them when a run is created (a bad value creates no run); validate_options checks the
-# rules across options.
+# The DAG's params (see news.PARAMS).
 PARAMS = {
     "window_days": Param(
         30,
@@ -462,7 +460,7 @@ class Recompute(ranges.Worker):
         return {"targeted": bool(self.opts["card_ids"]), "card_ids": self.opts["card_ids"]}
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:  # noqa: ARG002
-        partitions.ensure_in(cur, self.opts["as_of_date"])  # tonight's and the week after
+        partitions.ensure(cur, self.opts["as_of_date"])  # tonight's and the week after
         source_sql = card_sql("source", self.kind).strip()
         return sweeps.boundaries(
             cur, source_sql, self.source, self.opts["batch_size"], self.opts["max_ranges"]

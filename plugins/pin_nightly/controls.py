@@ -41,9 +41,6 @@ class Control:
     updated_by: str | None = None
     updated_at: Any = None
 
-    def batch_size(self, default: int) -> int:
-        return int(self.settings.get("batch_size", default))
-
     def limits(self, limits: dict[str, float]) -> dict[str, float]:
         """The pacing limits with the ones set here in place of the run's (0 or false: off)."""
         out = dict(limits)

@@ -82,21 +82,11 @@ def prepare(conn) -> None:
     migrate(conn)
 
 
-def ensure(conn, as_of: date | str) -> int:
+def ensure(cur, as_of: date | str) -> int:
     """Create the partitions of ``as_of`` and the :data:`AHEAD_DAYS` nights after it that do
-    not exist (a night inside the upgraded table's range has one); the number created."""
-    d = _date(as_of)
-    params = {"from": d, "through": d + timedelta(days=AHEAD_DAYS)}
-    (row,) = _with_lock_timeout(conn, [(sql("catalog/ensure_partitions"), params)], "partitions")
-    made = int(row[0])
-    if made:
-        log.info("created %d partition(s) of %s from %s", made, TABLE, d)
-    return made
-
-
-def ensure_in(cur, as_of: date | str) -> int:
-    """:func:`ensure` inside the caller's transaction (a sweep's planning): creating and
-    attaching a partition never waits for the job's own writes (SHARE UPDATE EXCLUSIVE)."""
+    not exist (a night inside the upgraded table's range has one), in the caller's transaction
+    (a sweep's planning): creating and attaching a partition never waits for the job's own
+    writes (SHARE UPDATE EXCLUSIVE). The number created."""
     d = _date(as_of)
     cur.execute(
         sql("catalog/ensure_partitions"), {"from": d, "through": d + timedelta(days=AHEAD_DAYS)}
