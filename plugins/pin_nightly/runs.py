@@ -185,10 +185,7 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             job.emit_state(conn)
     log.info(job.completed, result)
     if run.lease is not None:
-        # the summary releases too: the teardown does not run again when only a run's failed
-        # tasks are cleared
-        with run.connect() as conn:
-            leases.release(conn, run.lease)
+        release_lease(run)
         if signals is not None:
             metrics.gauge(f"{job.dag_id}_backlog_remaining", int(result["backlog_remaining"]))
             signals[0].send(signals[1], functools.partial(job.alert, run))
@@ -274,6 +271,16 @@ def prune_history(conn, run: Run) -> dict[str, int]:
     if any(pruned.values()):
         log.info("job history past its retention deleted: %s", pruned)
     return pruned
+
+
+def release_lease(run: Run) -> bool:
+    """Release the lease if this run holds it: the teardown task, and the summary (the
+    teardown does not run again when only a run's failed tasks are cleared)."""
+    if run.lease is None:
+        log.info("no lease was taken by this run: nothing to release")
+        return False
+    with run.connect() as conn:
+        return leases.release(conn, run.lease)
 
 
 def teardown(run: Run) -> bool:
