@@ -115,20 +115,8 @@ def drift_alert(
         f"the comments_count of {drift_corrected} posts was corrected {counted}, more than the "
         f"drift_alert_threshold of {threshold}: the hot-path increment has a bug"
     )
-    notify(
-        "drift_above_threshold",
-        {
-            **run_fields(
-                "drift_above_threshold",
-                description,
-                dag_id,
-                run_id,
-                "running",  # sent by the run's own summary task
-                base_url(conf),
-            ),
-            "drift_corrected": drift_corrected,
-            "threshold": threshold,
-            "counted": counted,
-        },
-    )
+    name, state = "drift_above_threshold", "running"  # sent by the run's own summary task
+    about = run_fields(name, description, dag_id, run_id, state, base_url(conf))
+    counts = {"drift_corrected": drift_corrected, "threshold": threshold, "counted": counted}
+    notify(name, {**about, **counts})
     metrics.incr("news_comment_reconcile_drift_alerts_total")

@@ -36,34 +36,23 @@ def _seconds(dag_id: str, what: str, default: int) -> timedelta:
 
 
 def deadline_alerts(dag_id: str, run_budget_minutes: float) -> list:
-    """The DAG's two deadline alerts."""
+    """The DAG's two deadline alerts, each calling :func:`deadline_missed` with its name and
+    interval."""
     from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
 
-    budget = _seconds(dag_id, "RUN", int(run_budget_minutes * 60))
-    stale = _seconds(dag_id, "STALE", STALE_SECONDS)
-    return [
-        DeadlineAlert(
-            reference=DeadlineReference.DAGRUN_QUEUED_AT,
-            interval=budget,
-            callback=AsyncCallback(
-                deadline_missed,
-                kwargs={
-                    "alert": "run_over_budget",
-                    "interval_seconds": int(budget.total_seconds()),
-                },
-            ),
-            name="run_over_budget",
-        ),
-        DeadlineAlert(
-            reference=DeadlineReference.DAGRUN_LOGICAL_DATE,
-            interval=stale,
-            callback=AsyncCallback(
-                deadline_missed,
-                kwargs={"alert": "no_success_26h", "interval_seconds": int(stale.total_seconds())},
-            ),
-            name="no_success_26h",
-        ),
-    ]
+    kinds = (
+        ("run_over_budget", DeadlineReference.DAGRUN_QUEUED_AT, "RUN", run_budget_minutes * 60),
+        ("no_success_26h", DeadlineReference.DAGRUN_LOGICAL_DATE, "STALE", STALE_SECONDS),
+    )
+    out = []
+    for name, reference, what, default in kinds:
+        interval = _seconds(dag_id, what, int(default))
+        kwargs = {"alert": name, "interval_seconds": int(interval.total_seconds())}
+        callback = AsyncCallback(deadline_missed, kwargs=kwargs)
+        out.append(
+            DeadlineAlert(reference=reference, interval=interval, callback=callback, name=name)
+        )
+    return out
 
 
 # what each deadline means, in one line ({span}: its interval in this deployment)
