@@ -200,6 +200,9 @@ class Popularity(jobs.Job):
     def rows_tried(self, result: dict[str, Any]) -> int:
         return sum(result[f"{k.result}_processed"] for k in CARD_KINDS)  # failures included
 
+    def work_done(self, result: dict[str, Any]) -> int:
+        return sum(int(result.get(f"{k.result}_updated") or 0) for k in CARD_KINDS)
+
     def prepare(self, conn) -> None:
         partitions.prepare(conn)  # the previous release's table is upgraded first
 
@@ -233,6 +236,9 @@ JOB = Popularity(
     passes=tuple((k.name, f"plan_{k.tasks}", f"recompute_{k.tasks}") for k in CARD_KINDS),
     retention_task=True,
     asset=SCORES_ASSET,
+    ids_param="card_ids",
+    writes=tuple(k.table for k in CARD_KINDS),
+    work_label="cards updated",
 )
 
 

@@ -16,8 +16,6 @@ import functools
 import html
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,6 +33,7 @@ from pin_nightly.db import (
     sqlstate,
     transaction,
 )
+from pin_nightly.jobs import Job, registered
 
 log = logging.getLogger(__name__)
 
@@ -62,54 +61,6 @@ EXPECTED_COLUMNS = {
 
 class SchemaOutdated(RuntimeError):
     """The job database lacks a table or column the console reads."""
-
-
-@dataclass(frozen=True)
-class ConsoleJob:
-    """What the console needs of a job."""
-
-    dag_id: str
-    code: str  # pin_nightly.* rows carry it in their job column
-    conn_id: str
-    lock_key: str
-    work_label: str  # what a night's work is, e.g. "corrections"
-    work: Callable[[dict[str, Any]], int]  # that number, from a run's result
-    ids_param: str  # the param of a targeted repair
-    whole_family: str | None  # the family whose done sweep covers every row (None: the row's kind)
-    writes: tuple[str, ...]  # the tables its batches write (the vacuum signal)
-    budget_minutes: float  # the DAG's default time budget
-
-
-@functools.cache
-def jobs() -> tuple[ConsoleJob, ...]:
-    from pin_nightly import catalog, news
-
-    return (
-        ConsoleJob(
-            news.JOB.dag_id,
-            news.JOB.code,
-            news.JOB.conn_id,
-            news.JOB.lock_key,
-            "corrections",
-            lambda r: int(r.get("drift_corrected") or 0),
-            "post_ids",
-            "FullSweep",
-            ("news.posts",),
-            float(news.DEFAULTS["max_run_duration_minutes"]),
-        ),
-        ConsoleJob(
-            catalog.JOB.dag_id,
-            catalog.JOB.code,
-            catalog.JOB.conn_id,
-            catalog.JOB.lock_key,
-            "cards updated",
-            lambda r: sum(int(r.get(f"{k.result}_updated") or 0) for k in catalog.CARD_KINDS),
-            "card_ids",
-            None,
-            tuple(k.table for k in catalog.CARD_KINDS),
-            float(catalog.DEFAULTS["max_run_duration_minutes"]),
-        ),
-    )
 
 
 # ------------------------------------------------------------------------------- reading
@@ -151,7 +102,7 @@ def check_schema(cur) -> None:
         )
 
 
-def read_job(job: ConsoleJob, days: int = NIGHTS) -> dict[str, Any]:
+def read_job(job: Job, days: int = NIGHTS) -> dict[str, Any]:
     """The job's state as its database holds it; ``state`` is ``ok``, or ``unreachable``,
     ``schema`` or ``not_configured`` with a ``message`` saying why nothing else is there."""
     out: dict[str, Any] = {"dag_id": job.dag_id, "job": job.code, "state": "ok", "message": None}
@@ -193,7 +144,7 @@ def _schema_message(exc: BaseException) -> str:
     )
 
 
-def _read(cur, job: ConsoleJob, days: int) -> dict[str, Any]:
+def _read(cur, job: Job, days: int) -> dict[str, Any]:
     params = {"job": job.code}
     cur.execute(sql("console/open_sweeps"), params)
     open_sweeps = [_progress(s) for s in fetch_dicts(cur)]
@@ -223,7 +174,7 @@ def _read(cur, job: ConsoleJob, days: int) -> dict[str, Any]:
     }
 
 
-def read_signals(conn, job: ConsoleJob) -> dict[str, Any]:
+def read_signals(conn, job: Job) -> dict[str, Any]:
     """The pacing signals now (``health/signals``), in a transaction of their own: a server
     that cannot answer them (a replica behind ``<conn_id>_readonly``) leaves the rest shown."""
     try:
@@ -255,7 +206,7 @@ def _progress(s: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def _night(job: ConsoleJob, n: dict[str, Any]) -> dict[str, Any]:
+def _night(job: Job, n: dict[str, Any]) -> dict[str, Any]:
     result = n.pop("result") or {}
     if isinstance(result, str):
         result = json.loads(result)
@@ -263,13 +214,13 @@ def _night(job: ConsoleJob, n: dict[str, Any]) -> dict[str, Any]:
         **n,
         "dry_run": bool(result.get("dry_run")),
         "scope": result.get("scope") or ("targeted" if result.get("targeted") else None),
-        "work": job.work(result),
+        "work": job.work_done(result),
         "item_errors": int(result.get("item_errors") or 0),
         "duration_minutes": round(int(result.get("duration_ms") or 0) / 60000, 2),
     }
 
 
-def repair(job: ConsoleJob, ids: list[str]) -> dict[str, Any] | None:
+def repair(job: Job, ids: list[str]) -> dict[str, Any] | None:
     """What to trigger to repair ``ids``: the DAG's page and the conf of a targeted repair
     (the page's repair form sends it; Airflow 3.3's own trigger form takes no conf from a
     URL)."""
@@ -343,9 +294,7 @@ def give_control(user, dag_id: str, sweep_id: int, action: str, settings) -> con
     """A control of the job's open sweep by ``user``, written on the job's own connection (not
     the console's read-only one); :class:`controls.ControlError` for an unknown DAG (404) or a
     user who may not edit it (403)."""
-    from pin_nightly import catalog, news
-
-    job = {j.dag_id: j for j in (news.JOB, catalog.JOB)}.get(dag_id)
+    job = {j.dag_id: j for j in registered()}.get(dag_id)
     if job is None:
         raise controls.ControlError(f"{dag_id} is not a pin-nightly DAG", 404)
     if not authorized(user, dag_id, "PUT"):
@@ -649,7 +598,7 @@ def create_app():
 def _states(user) -> list[dict[str, Any]]:
     from fastapi import HTTPException
 
-    allowed = [j for j in jobs() if authorized(user, j.dag_id)]
+    allowed = [j for j in registered() if authorized(user, j.dag_id)]
     if not allowed:
         raise HTTPException(403, "Forbidden: you may read neither pin-nightly DAG")
     return [{**read_job(j), "may_edit": authorized(user, j.dag_id, "PUT")} for j in allowed]

@@ -72,6 +72,12 @@ class Job:
     passes: tuple[tuple[str | None, str, str], ...] = ((None, "plan_ranges", "reconcile_range"),)
     retention_task: bool = False  # a task after the passes prunes its data (:meth:`prune`)
     asset: Any = None  # updated when a run completed its work (:meth:`asset_extra`)
+    ids_param: str = ""  # the list param of a targeted repair
+    writes: tuple[str, ...] = ()  # the domain tables its batches write
+    # the console (pin_nightly.console): what a night's work is called (:meth:`work_done`
+    # counts it), and the family whose done sweep covers every row (None: the row's kind)
+    work_label: str = ""
+    whole_family: str | None = None
 
     @property
     def lock_key(self) -> str:
@@ -138,6 +144,23 @@ class Job:
     def asset_extra(self, result: dict[str, Any]) -> dict[str, Any] | None:  # noqa: ARG002
         """The asset event's extra of a run's ``result`` (None: no event, nothing fresh)."""
         return None
+
+    def work_done(self, result: dict[str, Any]) -> int:  # noqa: ARG002
+        """A night's work (:attr:`work_label`) from its run's ``result``, for the console."""
+        return 0
+
+    @property
+    def budget_minutes(self) -> float:
+        """The DAG's default time budget."""
+        return float(self.params()["max_run_duration_minutes"].value)
+
+
+@functools.cache
+def registered() -> tuple[Job, ...]:
+    """Every job of the package, in the order the console shows them."""
+    from pin_nightly import catalog, news
+
+    return (news.JOB, catalog.JOB)
 
 
 def dag_settings(job: Job, params: dict[str, Any], owner: str) -> dict[str, Any]:

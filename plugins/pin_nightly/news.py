@@ -113,6 +113,9 @@ class News(jobs.Job):
     def rows_tried(self, result: dict[str, Any]) -> int:
         return result["posts_reconciled"] + result["item_errors"]
 
+    def work_done(self, result: dict[str, Any]) -> int:
+        return int(result.get("drift_corrected") or 0)
+
     def signals(self, run: runs.Run, result, cur, window, nightly: bool) -> runs.Signals:
         """What the run's first summary sends. The drift figures come from the corrections
         recorded in ``pin_nightly.news_drift``, not from the run's counters: a correction made by a
@@ -199,6 +202,10 @@ JOB = News(
     "Europe/Moscow (00:00 UTC, as the UI shows it)",
     tag="news",
     asset=COUNTS_ASSET,
+    ids_param="post_ids",
+    writes=("news.posts",),
+    work_label="corrections",
+    whole_family="FullSweep",
 )
 
 
@@ -365,7 +372,7 @@ class Reconcile(ranges.Worker):
     candidate_mode: bool
     dag_id = "news_comment_reconcile"
     job_code = "news-comment-reconcile"
-    writes = ("news.posts",)  # the domain table its batches write (pacing watches its vacuum)
+    writes = JOB.writes  # pacing watches their vacuum
 
     @property
     def targeted(self) -> bool:

@@ -75,9 +75,9 @@ def _write(session, dag_run) -> None:
 
 
 def _headline(dag_id: str) -> str:
-    from pin_nightly import catalog, news
+    from pin_nightly.jobs import registered
 
-    return {j.dag_id: j.headline for j in (news.JOB, catalog.JOB)}[dag_id]
+    return {j.dag_id: j.headline for j in registered()}[dag_id]
 
 
 def _summary(session, dag_run) -> tuple[dict[str, Any] | None, list[str]]:
