@@ -27,6 +27,7 @@ from pin_nightly.db import (
     connection,
     fetch_dicts,
     fetch_one_dict,
+    first_line,
     from_database,
     resolve,
     sql,
@@ -140,7 +141,7 @@ def read_job(job: Job, days: int = NIGHTS) -> dict[str, Any]:
 def _schema_message(exc: BaseException) -> str:
     return (
         "the job database's schema is older than this console expects: "
-        f"{str(exc).strip().splitlines()[0]}; a DBA applies include/sql/schema/pin_nightly.sql"
+        f"{first_line(exc)}; a DBA applies include/sql/schema/pin_nightly.sql"
     )
 
 
@@ -187,8 +188,7 @@ def read_signals(conn, job: Job) -> dict[str, Any]:
     except Exception as exc:
         if sqlstate(exc) is None and not from_database(exc):
             raise
-        first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
-        return {"signals": [], "can_read_stats": False, "signals_error": first}
+        return {"signals": [], "can_read_stats": False, "signals_error": first_line(exc)}
     return {"signals": pacing(row), "can_read_stats": bool(row["can_read_stats"])}
 
 

@@ -198,6 +198,12 @@ def fetch_one_dict(cur) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def sqlstate(exc: BaseException) -> str | None:
     """SQLSTATE of a psycopg 3 or psycopg2 error."""
     return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pin_nightly import metrics
-from pin_nightly.db import connect, fetch_one_dict, from_database, sql, transaction
+from pin_nightly.db import connect, fetch_one_dict, first_line, from_database, sql, transaction
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class Health:
             if not from_database(exc):
                 raise
             self._drop_replica(conn_id)
-            return (str(exc).strip() or type(exc).__name__).splitlines()[0]
+            return first_line(exc)
         if not row["in_recovery"]:
             return "not a replica (pg_is_in_recovery() is false)"
         return row

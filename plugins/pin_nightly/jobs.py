@@ -19,6 +19,7 @@ from pin_nightly.db import (
     check_columns,
     connection,
     ensure_schema,
+    first_line,
     has_index_on,
     resolve,
     sql,
@@ -373,7 +374,7 @@ def setting_error(spec: dict[str, Any], key: str, value: Any) -> str | None:
     try:
         copy.deepcopy(spec[key]).resolve(value)
     except Exception as exc:  # noqa: BLE001 - ParamValidationError, reported with the key
-        return f"{key}: {str(exc).splitlines()[0]}"
+        return f"{key}: {first_line(exc)}"
     return None
 
 

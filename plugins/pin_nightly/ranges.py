@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Self
 from pin_nightly import controls, metrics, tracing
 from pin_nightly import health as healths
 from pin_nightly import lease as leases
-from pin_nightly.db import fetch_one_dict, sql, sqlstate, transaction
+from pin_nightly.db import fetch_one_dict, first_line, sql, sqlstate, transaction
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def _try_held(cur, held: list[str], apply: Apply) -> Isolated:
         "%d row(s) that failed before and are unchanged since still fail (%s); not tried one "
         "by one (pin_nightly.item_error; retry_failed_rows does): %s",
         len(held),
-        _first_line(exc),
+        first_line(exc),
         " ".join(held[:20]) + (" ..." if len(held) > 20 else ""),
     )
     return [], held
@@ -238,12 +238,8 @@ def _isolate(cur, ids: list[str], apply: Apply, record: dict, item: str) -> Isol
     return first + second, failed + more
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-
-
 def _record_item_error(cur, record: dict[str, Any], item: str, item_id: str, exc) -> None:
-    message = _first_line(exc)
+    message = first_line(exc)
     state = sqlstate(exc)
     kind = record.get("item_kind")  # card_id: card_kind=<kind> first, as the spec names them
     about = f"{item.rsplit('_', 1)[0]}_kind={kind} " if kind else ""
