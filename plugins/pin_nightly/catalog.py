@@ -164,9 +164,6 @@ class Popularity(jobs.Job):
             # cards a night could not take (locked by others through its retry): not fresh
             metrics.gauge(f"{METRIC}_cards_unscored", scored["cards_unscored"])
 
-    def params(self) -> dict[str, Any]:
-        return PARAMS
-
     def options(self, params, instant, run_id, nightly: bool) -> dict[str, Any]:
         return validate_options(params, instant, run_id, nightly)
 
@@ -207,41 +204,6 @@ class Popularity(jobs.Job):
         partitions.prepare(conn)  # the previous release's table is upgraded first
 
 
-# Published when a run completed both passes of its as_of_date: other teams' DAGs schedule on
-# it by this name.
-SCORES_ASSET = Asset("catalog_popularity_scores")
-
-JOB = Popularity(
-    code="catalog-popularity-recompute",
-    dag_id="catalog_popularity_recompute",
-    conn_id="catalog_db",
-    domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
-    owned_ddl=[
-        jobs.STATE_DDL,
-        ("catalog.popularity_daily_views", "schema/catalog_popularity"),
-    ],
-    headline="%(as_of_date)s, %(property_object_cards_updated)s property-object and "
-    "%(project_cards_updated)s project cards updated, %(item_errors)s failed, scores as of "
-    "%(scores_as_of_date)s",
-    completed="run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
-    "ProjectCardsUpdated=%(project_cards_updated)s "
-    "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
-    "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
-    "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
-    owner="PIN Marketplace (Catalog squad)",
-    description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
-    "cards, at 03:00 UTC",
-    tag="catalog",
-    # one pass per card kind, in order: plan_<kind>, then its mapped ranges recompute_<kind>
-    passes=tuple((k.name, f"plan_{k.tasks}", f"recompute_{k.tasks}") for k in CARD_KINDS),
-    retention_task=True,
-    asset=SCORES_ASSET,
-    ids_param="card_ids",
-    writes=tuple(k.table for k in CARD_KINDS),
-    work_label="cards updated",
-)
-
-
 _MAX_WINDOW_DAYS = 3660  # larger overflows PostgreSQL's dates half-way through a run
 
 # The DAG's params (see news.PARAMS).
@@ -278,6 +240,42 @@ PARAMS = {
     ),
 }
 DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
+
+
+# Published when a run completed both passes of its as_of_date: other teams' DAGs schedule on
+# it by this name.
+SCORES_ASSET = Asset("catalog_popularity_scores")
+
+JOB = Popularity(
+    params=PARAMS,
+    code="catalog-popularity-recompute",
+    dag_id="catalog_popularity_recompute",
+    conn_id="catalog_db",
+    domain_columns={k.table: CARD_COLUMNS for k in CARD_KINDS},
+    owned_ddl=[
+        jobs.STATE_DDL,
+        ("catalog.popularity_daily_views", "schema/catalog_popularity"),
+    ],
+    headline="%(as_of_date)s, %(property_object_cards_updated)s property-object and "
+    "%(project_cards_updated)s project cards updated, %(item_errors)s failed, scores as of "
+    "%(scores_as_of_date)s",
+    completed="run completed: PropertyObjectCardsUpdated=%(property_object_cards_updated)s "
+    "ProjectCardsUpdated=%(project_cards_updated)s "
+    "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
+    "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
+    "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
+    owner="PIN Marketplace (Catalog squad)",
+    description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
+    "cards, at 03:00 UTC",
+    tag="catalog",
+    # one pass per card kind, in order: plan_<kind>, then its mapped ranges recompute_<kind>
+    passes=tuple((k.name, f"plan_{k.tasks}", f"recompute_{k.tasks}") for k in CARD_KINDS),
+    retention_task=True,
+    asset=SCORES_ASSET,
+    ids_param="card_ids",
+    writes=tuple(k.table for k in CARD_KINDS),
+    work_label="cards updated",
+)
 
 
 # The result's fields of each card kind (<CardKind.result>_<field>), from the passes' counters.

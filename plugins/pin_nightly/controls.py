@@ -95,7 +95,7 @@ def check_settings(job, settings: dict[str, Any]) -> None:
 
     if not settings:
         raise ControlError(f"no setting given (one of: {', '.join(SETTINGS)})")
-    spec = job.params()
+    spec = job.params
     errors = [
         f"{k!r} is not a setting a running sweep takes (one of: {', '.join(SETTINGS)})"
         if k not in SETTINGS

@@ -79,6 +79,7 @@ class Job:
     # counts it), and the family whose done sweep covers every row (None: the row's kind)
     work_label: str = ""
     whole_family: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # its DAG's (airflow.sdk.Param each)
 
     @property
     def lock_key(self) -> str:
@@ -118,10 +119,6 @@ class Job:
     def alert(self, run: Run, alert: dict[str, Any]) -> None:
         """Send the alert a summary's signals carry."""
 
-    def params(self) -> dict[str, Any]:
-        """The DAG's params (``airflow.sdk.Param`` each)."""
-        raise NotImplementedError
-
     def options(self, params: dict[str, Any], instant: datetime, run_id: str, nightly: bool):
         """The run's options from its ``params`` about ``instant`` (``nightly``: a scheduled
         run, see :func:`is_nightly`), every rule checked; no database access."""
@@ -153,7 +150,7 @@ class Job:
     @property
     def budget_minutes(self) -> float:
         """The DAG's default time budget."""
-        return float(self.params()["max_run_duration_minutes"].value)
+        return float(self.params["max_run_duration_minutes"].value)
 
 
 @functools.cache
@@ -415,7 +412,7 @@ def validate(job: Job, params: dict[str, Any], logical_date, dag_run) -> dict[st
     """Body of a DAG's validate_options task: the run's options (:meth:`Job.options`) from its
     params over the deployment's settings, its date checked; nothing is written."""
     instant = run_instant(logical_date, dag_run.run_after)
-    params, settings = deployment_settings(job, job.params(), params, dag_run.conf)
+    params, settings = deployment_settings(job, job.params, params, dag_run.conf)
     opts = job.options(params, instant, dag_run.run_id, is_nightly(dag_run.run_type))
     opts["settings"] = settings
     job.check_date(opts, instant, is_backfill(dag_run.run_type))

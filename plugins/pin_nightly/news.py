@@ -92,9 +92,6 @@ class News(jobs.Job):
                     "forgot %d skipped posts that a completed sweep covered since", cur.rowcount
                 )
 
-    def params(self) -> dict[str, Any]:
-        return PARAMS
-
     def options(self, params, instant, run_id, nightly: bool) -> dict[str, Any]:  # noqa: ARG002
         return validate_options(params, instant, nightly)
 
@@ -170,45 +167,6 @@ class News(jobs.Job):
         alerts.drift_alert(self.dag_id, run.run_id, **alert)
 
 
-# Published when a run completed its sweep: other teams' DAGs schedule on it by this name.
-COUNTS_ASSET = Asset("news_comment_counts")
-
-JOB = News(
-    code="news-comment-reconcile",
-    dag_id="news_comment_reconcile",
-    conn_id="news_db",
-    domain_columns={
-        "news.posts": ["id", "status", "comments_count", "updated_at"],
-        "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
-    },
-    owned_ddl=[jobs.STATE_DDL],
-    recommended_indexes=[
-        ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
-        ("news.comments", "(updated_at)", "ix_comments_updated_at"),
-    ],
-    history=(*jobs.Job.history, ("drift_retention_days", "news/prune_drift")),
-    headline="%(scope)s, %(posts_reconciled)s posts checked, %(drift_corrected)s corrected, "
-    "%(item_errors)s failed",
-    completed="job completed: posts_reconciled=%(posts_reconciled)s "
-    "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
-    "batches=%(batches_processed)s "
-    "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
-    "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
-    "scope=%(scope)s dry_run=%(dry_run)s "
-    "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
-    schedule=("0 3 * * *", TZ),
-    owner="PIN Engagement",
-    description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
-    "Europe/Moscow (00:00 UTC, as the UI shows it)",
-    tag="news",
-    asset=COUNTS_ASSET,
-    ids_param="post_ids",
-    writes=("news.posts",),
-    work_label="corrections",
-    whole_family="FullSweep",
-)
-
-
 _MAX_LOOKBACK_HOURS = 366 * 24  # larger overflows Python's datetimes
 
 # The DAG's params: each option's type, default, bounds and description, defined once. Airflow
@@ -261,6 +219,46 @@ PARAMS = {
     "drift_retention_days": jobs.retention_param("drift records (pin_nightly.news_drift)"),
 }
 DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
+
+
+# Published when a run completed its sweep: other teams' DAGs schedule on it by this name.
+COUNTS_ASSET = Asset("news_comment_counts")
+
+JOB = News(
+    params=PARAMS,
+    code="news-comment-reconcile",
+    dag_id="news_comment_reconcile",
+    conn_id="news_db",
+    domain_columns={
+        "news.posts": ["id", "status", "comments_count", "updated_at"],
+        "news.comments": ["id", "post_id", "status", "created_at", "updated_at"],
+    },
+    owned_ddl=[jobs.STATE_DDL],
+    recommended_indexes=[
+        ("news.comments", "(post_id) WHERE (status = 'Visible'", "ix_comments_post_id_visible"),
+        ("news.comments", "(updated_at)", "ix_comments_updated_at"),
+    ],
+    history=(*jobs.Job.history, ("drift_retention_days", "news/prune_drift")),
+    headline="%(scope)s, %(posts_reconciled)s posts checked, %(drift_corrected)s corrected, "
+    "%(item_errors)s failed",
+    completed="job completed: posts_reconciled=%(posts_reconciled)s "
+    "drift_corrected=%(drift_corrected)s drift_found=%(drift_found)s "
+    "batches=%(batches_processed)s "
+    "backlog_remaining=%(backlog_remaining)s duration_ms=%(duration_ms)s "
+    "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
+    "scope=%(scope)s dry_run=%(dry_run)s "
+    "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
+    schedule=("0 3 * * *", TZ),
+    owner="PIN Engagement",
+    description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
+    "Europe/Moscow (00:00 UTC, as the UI shows it)",
+    tag="news",
+    asset=COUNTS_ASSET,
+    ids_param="post_ids",
+    writes=("news.posts",),
+    work_label="corrections",
+    whole_family="FullSweep",
+)
 
 
 def cron_fires_on_day(cron: str, instant: datetime, tz: str) -> bool:

@@ -27,7 +27,7 @@ def job_dag(job: jobs.Job, doc_md: str) -> Any:
         doc_md=doc_md,
         tags=["pin-nightly", job.tag],
         # one run at a time, params, deadline alerts (SLA), failed attempts counted, retries
-        **jobs.dag_settings(job, job.params(), owner=job.owner),
+        **jobs.dag_settings(job, job.params, owner=job.owner),
     ) as dag:
         _wire(job, _run_tasks(job, job.dag_id), _work_tasks(job, job.dag_id))
     return dag
