@@ -247,7 +247,6 @@ DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 SCORES_ASSET = Asset("catalog_popularity_scores")
 
 JOB = Popularity(
-    params=PARAMS,
     code="catalog-popularity-recompute",
     dag_id="catalog_popularity_recompute",
     conn_id="catalog_db",
@@ -264,6 +263,7 @@ JOB = Popularity(
     "SnapshotsWritten=%(snapshots_written)s SnapshotsPruned=%(snapshots_pruned)s "
     "ItemErrors=%(item_errors)s DurationMs=%(duration_ms)s status=%(status)s "
     "scores_as_of_date=%(scores_as_of_date)s unfinished_sweeps=%(unfinished_sweeps)s",
+    params=PARAMS,
     owner="PIN Marketplace (Catalog squad)",
     description="Nightly popularity snapshots and 30-day decayed popularity_score of catalog "
     "cards, at 03:00 UTC",

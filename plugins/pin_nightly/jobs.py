@@ -64,7 +64,9 @@ class Job:
     )
     completed: str = "job completed: %(status)s"  # the summary's log line (of the result)
     headline: str = ""  # what the run did, in the DAG run's note (of the result)
-    # its DAG (pin_nightly.tasks): the nightly cron and its timezone, owner, description, tag
+    # its DAG (pin_nightly.tasks): its params (airflow.sdk.Param each), the nightly cron and
+    # its timezone, owner, description, tag
+    params: dict[str, Any] = field(default_factory=dict)
     schedule: tuple[str, str] = ("0 3 * * *", "UTC")
     owner: str = ""
     description: str = ""
@@ -79,7 +81,6 @@ class Job:
     # counts it), and the family whose done sweep covers every row (None: the row's kind)
     work_label: str = ""
     whole_family: str | None = None
-    params: dict[str, Any] = field(default_factory=dict)  # its DAG's (airflow.sdk.Param each)
 
     @property
     def lock_key(self) -> str:

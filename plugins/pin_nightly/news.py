@@ -225,7 +225,6 @@ DEFAULTS: dict[str, Any] = jobs.defaults(PARAMS)
 COUNTS_ASSET = Asset("news_comment_counts")
 
 JOB = News(
-    params=PARAMS,
     code="news-comment-reconcile",
     dag_id="news_comment_reconcile",
     conn_id="news_db",
@@ -248,6 +247,7 @@ JOB = News(
     "skipped_locked=%(posts_skipped_locked)s item_errors=%(item_errors)s "
     "scope=%(scope)s dry_run=%(dry_run)s "
     "status=%(status)s unfinished_sweeps=%(unfinished_sweeps)s",
+    params=PARAMS,
     schedule=("0 3 * * *", TZ),
     owner="PIN Engagement",
     description="Nightly recount of news.posts.comments_count from visible comments, at 03:00 "
