@@ -304,6 +304,34 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
     assert _old_snapshots(catalog_db) == 0
 
 
+def test_retention_past_the_deadline_drops_the_empty_nights_before_the_oldest_with_snapshots(
+    catalog_db,
+):
+    """Past the run's deadline, when the oldest partitions past the horizon are empty (nights
+    made ahead that no run wrote, across a gap), retention drops them and then the oldest night
+    that holds snapshots, and stops there: the table still shrinks by a night."""
+    from pin_nightly import catalog, runs
+
+    cid = catalog_db.card(views=100)
+    catalog_db.partition(D - timedelta(days=52), D - timedelta(days=46))  # a week, empty
+    for age in (45, 44, 1):
+        catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
+    opts, lease = _retention_lease({}, "retention-empty-nights")
+    catalog_db.q(
+        "UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp() - interval '1 s' "
+        "WHERE lock_key = %s",
+        catalog.JOB.lock_key,
+    )
+    try:
+        assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 1
+    finally:
+        runs.release_lease(runs.Run.of(catalog.JOB, {}, "", lease))
+    kept = [d for d, _ in catalog_db.snapshots(cid)]
+    assert kept == [D - timedelta(days=44), D - timedelta(days=1)], kept
+    first = catalog_db.one("SELECT min(lower_bound) FROM catalog.popularity_partitions()")
+    assert first == D - timedelta(days=44), first
+
+
 def test_retention_failing_between_drops_keeps_what_it_dropped_and_its_retry_prunes_the_rest(
     catalog_db, monkeypatch
 ):

@@ -118,9 +118,10 @@ def drop_oldest(conn, as_of: date | str, keep_days: int) -> dict[str, Any] | Non
 def prune(conn, lease, opts: dict[str, Any], keep_days: int) -> int:
     """Retention's drops until no partition is past the horizon, each in a transaction of its
     own after pacing on the database's health (as a range does), stopping at the run's
-    deadline: past it, the oldest partition past the horizon is still dropped, unpaced (the
-    table never grows by more than a night on nights whose passes use the whole budget), and
-    the rest is left to the next run. The snapshots dropped."""
+    deadline: past it, the oldest partition past the horizon that holds snapshots is still
+    dropped, unpaced, with the empty ones before it (nights no run wrote: the partitions made a
+    week ahead, across a gap), so the table never grows by more than a night on nights whose
+    passes use the whole budget; the rest is left to the next run. The snapshots dropped."""
     from pin_nightly import health as healths
     from pin_nightly import lease as leases
 
@@ -139,15 +140,15 @@ def prune(conn, lease, opts: dict[str, Any], keep_days: int) -> int:
             if dropped is None:
                 return pruned
             pruned += int(dropped["snapshots"])
-            if past:
+            if past and dropped["snapshots"]:
                 return pruned
             if renew_due:
                 leases.renew(conn, lease)
 
 
 def _last_drop(conn, as_of: str, keep_days: int, pruned: int) -> bool:
-    """Past the run's deadline: whether a partition past the horizon is left (the oldest is
-    dropped, then retention stops), logged either way."""
+    """Past the run's deadline: whether a partition past the horizon is left (the oldest that
+    holds snapshots is dropped, then retention stops), logged either way."""
     with transaction(conn) as cur:
         cur.execute(sql("catalog/oldest_past_horizon"), {"as_of": as_of, "keep_days": keep_days})
         oldest = cur.fetchone()[0]
@@ -160,7 +161,8 @@ def _last_drop(conn, as_of: str, keep_days: int, pruned: int) -> bool:
         return False
     log.warning(
         "retention: the run's deadline has passed after %d snapshot(s); it drops the oldest "
-        "night past the horizon (%s) and leaves the rest to the next run",
+        "night past the horizon (%s) and leaves the rest to the next run (empty nights first: "
+        "up to the oldest that holds snapshots)",
         pruned,
         oldest,
     )
