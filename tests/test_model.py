@@ -470,12 +470,17 @@ class Model(RuleBasedStateMachine):
         return poisoned is None or row_id in poisoned
 
     def item_error(self, row_id: str, run_id: str) -> bool:
-        return bool(
-            self.db.q(
-                "SELECT 1 FROM pin_nightly.item_error WHERE item_id = %s AND run_id = %s",
-                row_id,
-                run_id,
-            )
+        """The run recorded the row as an item error, or held it back: the row's newest record
+        (an earlier run's) has the version the row still has, so the run tried it together with
+        the other rows held back and recorded nothing new (``retry_failed_rows`` off)."""
+        recorded = "SELECT 1 FROM pin_nightly.item_error WHERE item_id = %s AND run_id = %s"
+        held = (
+            "SELECT 1 FROM (SELECT row_version FROM pin_nightly.item_error WHERE item_id = %s "
+            "ORDER BY recorded_at DESC LIMIT 1) e JOIN {} t ON t.id = %s "
+            "AND t.xmin::text = e.row_version"
+        )
+        return bool(self.db.q(recorded, row_id, run_id)) or any(
+            self.db.q(held.format(table), row_id, row_id) for table in self.tables()
         )
 
     def before_state(self, conf: dict, day) -> dict:
@@ -564,6 +569,7 @@ class CatalogModel(Model):
         self.cycle: set = set()  # cards cut nights reached since all were last reached
         self.starved: str | None = None  # the card kind the last cut night reached nothing of
         self.stamp_ok = False  # the run in progress may stamp its date (no newer date written)
+        self.pruned_as_of = None  # the newest date whose retention ran (its horizon's base)
 
     def tables(self) -> list[str]:
         return list(self.db.TABLES.values())
@@ -625,6 +631,8 @@ class CatalogModel(Model):
 
     def after_run(self, r: dict) -> None:
         s, conf = r["summary"] or {}, r["conf"]
+        if r["tasks"].get("retention") in ("success", "failed"):
+            self.pruned_as_of = max(filter(None, [self.pruned_as_of, r["day"]]))
         if r["state"] == "success" and r["cut"] == "graceful" and r["fault"] is None:
             self.check_cut_night(r)
         else:  # the check is about consecutive cut nights
@@ -838,7 +846,10 @@ class CatalogModel(Model):
 
     @invariant()
     def no_snapshot_of_a_complete_night_in_the_horizon_is_lost(self):
-        newest = self.db.one("SELECT max(run_date) FROM catalog.popularity_daily_views")
+        """The horizon counts back from the newest snapshot, or from the newest date whose
+        retention ran (a cut night that wrote nothing still prunes past its own horizon)."""
+        stored = self.db.one("SELECT max(run_date) FROM catalog.popularity_daily_views")
+        newest = max(filter(None, [stored, self.pruned_as_of]), default=None)
         for d, written in self.complete.items():
             if newest is not None and d >= newest - timedelta(days=HORIZON):
                 for cid in written:
