@@ -22,19 +22,20 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python -m tools.demo
 
-# make test: everything but the real-stack modules and the exhaustive fault matrix, on
-# TEST_WORKERS pytest-xdist workers (tests of one xdist_group share a worker; the tests wait on
-# PostgreSQL and on their slowed batches about as much as they compute, so three keep two cores
-# busy). make test-all adds them: the rest of the fault matrix on the workers, then the stack
-# modules on STACK_WORKERS, a module a worker (each starts several Airflow processes of its own).
+# make test: everything but the real-stack modules, the exhaustive fault matrix and the long
+# system-level sequences, on TEST_WORKERS pytest-xdist workers (tests of one xdist_group share
+# a worker; the tests wait on PostgreSQL and on their slowed batches about as much as they
+# compute, so three keep two cores busy). make test-all adds them: the rest of the fault matrix
+# and the long sequences on the workers, then the stack modules on STACK_WORKERS, a module a
+# worker (each starts several Airflow processes of its own).
 TEST_WORKERS ?= 3
 STACK_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: lint
-	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive and not long" $(PYTEST_ARGS)
 
 test-all: test
-	$(BIN)/python -m pytest $(XDIST) -m exhaustive $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "exhaustive or long" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -n $(STACK_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS

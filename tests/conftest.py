@@ -107,5 +107,5 @@ def scheduler_dag():
 
 def pytest_collection_modifyitems(items):
     """The tests marked ``long`` first, the others in their order: the pytest-xdist workers
-    start them at once, and none ends the suite on one while the other waits."""
+    start them at once, and none ends a tier on one while the others wait."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -535,6 +535,7 @@ def test_promtool_checks_the_rules():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.long
 def test_every_alert_fires_when_it_must_and_not_otherwise(alerts):
     """``promtool test rules alerts.test.yml alerts.days.test.yml`` as a person runs it, on
     the committed files: labels and rendered annotations of every firing alert; every alert has
