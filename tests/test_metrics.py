@@ -69,6 +69,7 @@ def statsd_packets(script: str) -> list[str]:
     return packets
 
 
+@pytest.mark.long
 def test_job_metrics_are_sent_to_statsd(news_db, catalog_db):
     news_db.post(count=5, visible=3)
     card = catalog_db.card(views=9)

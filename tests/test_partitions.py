@@ -45,6 +45,7 @@ def snapshots_by_partition(db, cid) -> dict:
     )
 
 
+@pytest.mark.long
 def test_nights_across_month_ends_get_their_own_partitions(catalog_db):
     """Nights of 30 and 31 January, 1 February (2 February missed), 3 February, then 28
     February (no 29th in 2026) and 1 March: every night's snapshots live in its own
