@@ -228,6 +228,18 @@ def _retention_lease(conf: dict, run_id: str) -> tuple[dict, dict]:
     return opts, lease
 
 
+def _deadline_in(catalog_db, interval: str) -> None:
+    """The lease's run deadline moved to ``interval`` from now."""
+    from pin_nightly import catalog
+
+    catalog_db.q(
+        "UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp() + %s::interval "
+        "WHERE lock_key = %s",
+        interval,
+        catalog.JOB.lock_key,
+    )
+
+
 def _old_snapshots(catalog_db) -> int:
     return catalog_db.one(
         "SELECT count(*) FROM catalog.popularity_daily_views WHERE run_date < %s::date - 32", D
@@ -281,11 +293,7 @@ def test_retention_paused_past_the_deadline_deletes_the_oldest_night_and_the_nex
         catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
     vacuum = _slow_vacuum_of_the_snapshots(catalog_db)
     opts, lease = _retention_lease({"pace_on_vacuum": True}, "retention-deadline")
-    catalog_db.q(
-        "UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp() + interval '1 s' "
-        "WHERE lock_key = %s",
-        catalog.JOB.lock_key,
-    )
+    _deadline_in(catalog_db, "1 s")
     try:
         assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 1
     finally:
@@ -317,11 +325,7 @@ def test_retention_past_the_deadline_drops_the_empty_nights_before_the_oldest_wi
     for age in (45, 44, 1):
         catalog_db.seed_snapshot(cid, D - timedelta(days=age), 100 - age)
     opts, lease = _retention_lease({}, "retention-empty-nights")
-    catalog_db.q(
-        "UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp() - interval '1 s' "
-        "WHERE lock_key = %s",
-        catalog.JOB.lock_key,
-    )
+    _deadline_in(catalog_db, "-1 s")  # passed
     try:
         assert catalog.retention(runs.Run.of(catalog.JOB, opts, "test", lease)) == 1
     finally:
