@@ -70,7 +70,7 @@ def runs(stack: Stack, dag_id: str) -> list[dict]:
 
 def read(stack: Stack, consumer: str, run_id: str) -> dict:
     """What the consumer's task read from its inlet events."""
-    assert stack.wait_run(consumer, run_id) == "success"
+    stack.wait_run(consumer, run_id, expect="success")
     entry = stack.get(
         f"/api/v2/dags/{consumer}/dagRuns/{quote(run_id, safe='')}/taskInstances/read/"
         "xcomEntries/return_value?deserialize=true"
@@ -105,7 +105,7 @@ def test_consumers_run_after_complete_work_only(stack):
     try:
         # the scheduled runs of the latest slots: complete nights
         [night] = helpers.wait_for(lambda: runs(stack, CATALOG), timeout=60, what="a night")
-        assert stack.wait_run(CATALOG, night["dag_run_id"], timeout=300) == "success"
+        stack.wait_run(CATALOG, night["dag_run_id"], timeout=300, expect="success")
         [first] = consumed(stack, SCORES, 1)
         summary = stack.catalog.one(
             "SELECT result FROM pin_nightly.run_log WHERE run_id = %s", night["dag_run_id"]
@@ -155,7 +155,7 @@ def test_consumers_run_after_complete_work_only(stack):
 
         # news: the scheduled night, then a dry run (quiet) and a FullSweep that publishes
         [night] = helpers.wait_for(lambda: runs(stack, NEWS), timeout=60, what="a news night")
-        assert stack.wait_run(NEWS, night["dag_run_id"], timeout=300) == "success"
+        stack.wait_run(NEWS, night["dag_run_id"], timeout=300, expect="success")
         dry, got, tasks = ended(stack, NEWS, {"dry_run": True})
         assert (got, tasks["publish"]) == ("success", "skipped")
         stack.news.posts(2, drift_every=1)

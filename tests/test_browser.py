@@ -548,7 +548,7 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
         time.sleep(8)  # four rechecks: no batch while paused
         assert done() <= paused_at + 2  # at most the batch under way then
         console.locator(f"#{NEWS} .sweep").first.get_by_role("button", name="Resume sweep").click()
-        assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000) == "success"
+        stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000, expect="success")
     finally:
         db.allow_updates()
     assert db.drifted_posts() == 1  # the rejected post, and only it
@@ -567,7 +567,7 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
     repair.get_by_role("button", name="Trigger the repair").click()
     expect(repair.locator(".result")).to_contain_text("triggered: ")
     repair_run = repair.locator(".result").inner_text().removeprefix("triggered: ").strip()
-    assert stack.wait_run(NEWS, repair_run, timeout=RUN_TIMEOUT / 1000) == "success"
+    stack.wait_run(NEWS, repair_run, timeout=RUN_TIMEOUT / 1000, expect="success")
     assert db.drifted_posts() == 0
     logged = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", repair_run)
     assert logged["scope"] == "Targeted" and logged["drift_corrected"] == 1, logged

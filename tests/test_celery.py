@@ -236,7 +236,7 @@ def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
             gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
             gate.close()
             helpers.remove_gate(db, "news.posts")
-        assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT) == "success"
+        stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT, expect="success")
     tis = mapped_tis(stack, NEWS, run_id, "reconcile_range")
     assert [t["state"] for t in tis] == ["success"] * 4
     assert all(t["try_number"] == 1 for t in tis), "a range was retried"
@@ -291,7 +291,7 @@ def test_a_worker_killed_mid_range_is_retried_on_the_other_worker_from_its_curso
     # mid-range: some batches committed, the held one not
     assert cursor is not None and ids[0] <= cursor < gated
     assert done_rows == ids.index(cursor) + 1 and done_batches == done_rows // batch
-    assert stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT) == "success"
+    stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT, expect="success")
 
     survivor = next(n for n, name in nodes.items() if name != victim)
     history = tries(stack, NEWS, run_id, "reconcile_range", 0)
@@ -424,7 +424,7 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
             helpers.remove_gate(db, "catalog.property_object_cards")
         assert cursor is not None and po[0] <= cursor < gated
         assert done_rows == po.index(cursor) + 1
-        assert stack.wait_run(CATALOG, run_id, timeout=RUN_TIMEOUT) == "success"
+        stack.wait_run(CATALOG, run_id, timeout=RUN_TIMEOUT, expect="success")
 
     survivor = next(n for n, name in nodes.items() if name != victim)
     history0 = tries(stack, CATALOG, run_id, "recompute_property_objects", 0)

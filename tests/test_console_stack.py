@@ -48,7 +48,7 @@ def test_the_api_server_serves_the_console_of_a_run_the_scheduler_ran(stack):
     with psycopg.connect(stack.news_dsn, autocommit=True) as conn:
         helpers.NewsDB(stack.news_dsn, conn).posts(30, drift_every=3)
     run_id = stack.trigger(NEWS, {"scope": "FullSweep"})
-    assert stack.wait_run(NEWS, run_id, timeout=240) == "success", stack.task_states(NEWS, run_id)
+    stack.wait_run(NEWS, run_id, timeout=240, expect="success")
 
     views = [v for p in stack.get("/api/v2/plugins")["plugins"] for v in p["external_views"]]
     (view,) = [v for v in views if v["name"] == "pin-nightly"]

@@ -241,7 +241,7 @@ def test_no_success_deadline_of_a_scheduled_run_that_never_started(stack, schedu
     assert msg["note"] == "the run had not succeeded by its deadline"
     assert "had not succeeded" in msg["description"]
     assert_links(stack, msg, CATALOG, run_id, "no_success_26h")
-    assert stack.wait_run(CATALOG, run_id, timeout=600) == "success"
+    stack.wait_run(CATALOG, run_id, timeout=600, expect="success")
     set_paused(stack, CATALOG, True)
 
 
@@ -265,7 +265,7 @@ def test_drift_alert_only_above_the_runs_threshold(stack):
         above = stack.trigger(
             NEWS, {"scope": "FullSweep", "drift_alert_threshold": 3, "max_ranges": 1}
         )
-        assert stack.wait_run(NEWS, above, timeout=300) == "success"
+        stack.wait_run(NEWS, above, timeout=300, expect="success")
         # sent by the summary inside the run: it is there once the run succeeded
         [msg] = drift(above)
         assert (msg["dag_id"], msg["run_state"]) == (NEWS, "running")
@@ -277,7 +277,7 @@ def test_drift_alert_only_above_the_runs_threshold(stack):
         at = stack.trigger(
             NEWS, {"scope": "FullSweep", "drift_alert_threshold": 3, "max_ranges": 1}
         )
-        assert stack.wait_run(NEWS, at, timeout=300) == "success"
+        stack.wait_run(NEWS, at, timeout=300, expect="success")
         summary = db.one("SELECT result FROM pin_nightly.run_log WHERE run_id = %s", at)
         assert summary["drift_corrected"] == 3
         assert drift(at) == []

@@ -120,8 +120,8 @@ def test_both_dags_run_through_the_scheduler(stack):
     stack.catalog.seed_snapshot(card, stack.catalog.today() - timedelta(days=1), 10)
     news_run = stack.trigger(NEWS, {"scope": "FullSweep"})
     catalog_run = stack.trigger(CATALOG)
-    assert stack.wait_run(NEWS, news_run) == "success"
-    assert stack.wait_run(CATALOG, catalog_run) == "success"
+    stack.wait_run(NEWS, news_run, expect="success")
+    stack.wait_run(CATALOG, catalog_run, expect="success")
     # only the runs the test triggered: no run of the latest 03:00 slot (before 03:00 UTC that
     # is yesterday's, and it would overwrite the snapshot seeded above)
     for dag_id in (NEWS, CATALOG):
@@ -172,7 +172,7 @@ def test_a_run_with_a_budget_of_its_own_is_over_budget_only_past_it(stack):
 
     own = {"scope": "FullSweep", "lock_ttl_minutes": 3, "max_run_duration_minutes": 2}
     within = stack.trigger(NEWS, own)
-    assert stack.wait_run(NEWS, within) == "success"
+    stack.wait_run(NEWS, within, expect="success")
     pool = lambda n: stack.request(  # noqa: E731
         "PATCH",
         f"/api/v2/pools/{NEWS}?update_mask=slots",
@@ -188,7 +188,7 @@ def test_a_run_with_a_budget_of_its_own_is_over_budget_only_past_it(stack):
         assert msg["run_state"] in ("queued", "running")
     finally:
         pool(1)
-    assert stack.wait_run(NEWS, late) == "success"
+    stack.wait_run(NEWS, late, expect="success")
     # the first run ended well within its own 3 minutes, long before the alert above
     assert over_budget(within) == []
 
@@ -208,7 +208,7 @@ def test_a_run_waits_while_its_pool_is_full(stack):
         assert states.get("validate_options") in (None, "scheduled", "queued")
     finally:
         set_slots(1)
-    assert stack.wait_run(CATALOG, run_id) == "success"
+    stack.wait_run(CATALOG, run_id, expect="success")
 
 
 def _clear_news_range(stack, run_id: str, map_index: int) -> None:
@@ -233,7 +233,7 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     poison = ids[45]
     db.fail_updates_of(poison)
     run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 5, "max_ranges": 3})
-    assert stack.wait_run(NEWS, run_id) == "failed"
+    stack.wait_run(NEWS, run_id, expect="failed")
     states = stack.task_states(NEWS, run_id)
     assert states["reconcile_range[2]"] == "failed"
     assert states["reconcile_range[0]"] == states["reconcile_range[1]"] == "success"
@@ -245,7 +245,7 @@ def test_clearing_one_mapped_task_over_rest_resumes_its_range(stack):
     assert ids[40] <= cursor < poison
     db.allow_updates()
     _clear_news_range(stack, run_id, 2)
-    assert stack.wait_run(NEWS, run_id) == "success"
+    stack.wait_run(NEWS, run_id, expect="success")
     assert db.rows_per_range(sweep) == [20, 20, 20]  # the range resumed; nothing read twice
     assert db.drifted_posts() == 0
     assert db.q("SELECT count(*) FROM pin_nightly.job_lease") == [(0,)]
@@ -376,14 +376,14 @@ def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
         gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
         gate.close()
         helpers.remove_gate(db, "news.posts")
-    assert stack.wait_run(NEWS, run_id) == "failed"
+    stack.wait_run(NEWS, run_id, expect="failed")
     assert db.drifted_posts() > 0
     stack.request(
         "POST",
         f"/api/v2/dags/{NEWS}/clearTaskInstances",
         {"dry_run": False, "only_failed": True, "dag_run_id": run_id},
     )
-    assert stack.wait_run(NEWS, run_id) == "success"
+    stack.wait_run(NEWS, run_id, expect="success")
     assert db.drifted_posts() == 0
     sweep = db.one("SELECT max(sweep_id) FROM pin_nightly.sweep")
     assert db.q(
@@ -505,7 +505,7 @@ def test_four_pool_slots_cut_by_the_budget_reach_every_card(stack):
             for table in db.TABLES.values():
                 db.q(f"UPDATE {table} SET popularity_views = popularity_views + 3")
             run_id = _trigger_night(stack, today - timedelta(days=k), conf)
-            assert stack.wait_run(CATALOG, run_id, timeout=240) == "success"
+            stack.wait_run(CATALOG, run_id, timeout=240, expect="success")
             at_once = max(at_once, _ranges_at_once(stack, run_id))
             unreached.append(sum(not db.snapshots(cid) for cid in cards))
             if not unreached[-1]:
@@ -586,7 +586,7 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
         states = stack.task_states(NEWS, run_id)
         assert all(states[t] == "running" for t in siblings), states
         _control(db, sweep, "resume")
-        assert stack.wait_run(NEWS, run_id, timeout=240) == "success"
+        stack.wait_run(NEWS, run_id, timeout=240, expect="success")
     finally:
         pool(1)
         db.q("UPDATE public.gate SET open = true, fail = false")

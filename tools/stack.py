@@ -191,13 +191,48 @@ class Stack:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")["state"]
 
     def wait_run(
-        self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 300
+        self,
+        dag_id: str,
+        run_id: str,
+        states=("success", "failed"),
+        timeout: float = 300,
+        expect: str | None = None,
     ) -> str:
+        """The state the run ends in; with ``expect``, an assertion that it is that state
+        (failing with the run's :meth:`explain`)."""
+
         def ended() -> str | None:
             state = self.run_state(dag_id, run_id)
             return state if state in states else None
 
-        return wait_until(ended, timeout, what=f"{dag_id} {run_id} to end", poll=1)
+        state = wait_until(ended, timeout, what=f"{dag_id} {run_id} to end", poll=1)
+        if expect is not None and state != expect:
+            raise AssertionError(f"run {run_id} ended {state}\n{self.explain(dag_id, run_id)}")
+        return state
+
+    def explain(self, dag_id: str, run_id: str) -> str:
+        """A failed assertion's evidence: the run's task states and the warnings and errors of
+        its task logs (files under the stack's home), in the order they were logged."""
+        lines = [f"task states: {self.task_states(dag_id, run_id)}"]
+        events = []
+        run_dir = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
+        for path in run_dir.rglob("*.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if e.get("level") in ("warning", "error", "critical"):
+                    where = path.relative_to(run_dir)
+                    detail = "".join(
+                        f"\n    {x['exc_type']}: {x['exc_value']} at "
+                        + " < ".join(f"{f['name']}:{f['lineno']}" for f in x["frames"][::-1][:4])
+                        for x in e.get("error_detail") or []
+                    )
+                    events.append(
+                        f"{e.get('timestamp')} {where} {e['level']}: {e.get('event')} {detail}"
+                    )
+        return "\n".join(lines + sorted(events))
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
         tis = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances?limit=100")
