@@ -1166,18 +1166,6 @@ NEWS_SEQUENCES = [
         S("manual_run", what="FullSweep", when="now"),
         S("clear_a_failed_run", which=-1, how="whole_run"),  # its summary had sent the totals
     ],
-    [  # nights far apart leave empty partitions made ahead older than the oldest snapshots;
-        # retention past the deadline must still drop every night past the horizon
-        S("scheduled_night", gap=1),
-        S("views_grow", cards="all", amount=5),
-        S("scheduled_night", gap=12, ranges=1),
-        S("views_grow", cards="all", amount=5),
-        S("scheduled_night", gap=20, cut="budget"),
-        S("views_grow", cards="all", amount=5),
-        S("scheduled_night", gap=12, cut="budget"),
-        S("views_grow", cards="all", amount=5),
-        S("scheduled_night", gap=1, cut="budget"),
-    ],
 ]
 
 CATALOG_SEQUENCES = [
