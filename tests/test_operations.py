@@ -531,8 +531,9 @@ def _control(db, sweep_id: int, action: str) -> None:
 
 
 def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
-    """One of four ranges running at once fails; the on-call clears it at once (its setup
-    task, acquire_lease, runs again) while the others still run. The lease is re-joined as it
+    """One of four ranges running at once fails; the on-call clears it as soon as the grid
+    shows its downstream tasks marked (its setup task, acquire_lease, runs again) while the
+    others still run. The lease is re-joined as it
     is: the siblings are not fenced out (before, they failed with LeaseLost), the cleared range
     resumes from its cursor and the run ends successful with every post exact. Whatever the
     machine's load, the siblings are held: in their first batch at a gate until the range has
@@ -576,7 +577,9 @@ def test_clearing_one_range_while_its_siblings_run_keeps_the_runs_lease(stack):
                 and all(states.get(t) == "running" for t in siblings)
             )
 
-        helpers.wait_for(held, timeout=180, poll=0.5, what="range 3 failed, 0-2 running")
+        helpers.wait_for(
+            held, timeout=180, poll=0.5, what="range 3 failed, its downstream marked, 0-2 running"
+        )
         sweep = db.one("SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open'")
         _control(db, sweep, "pause")
         db.q("UPDATE public.gate SET open = true, fail = false")
