@@ -55,16 +55,19 @@ def _wire(job: jobs.Job, run_tasks: tuple, work_tasks: tuple) -> None:
 
 
 def _run_tasks(job: jobs.Job, pool: str) -> tuple:
-    """The tasks around the work: the options, the lease, the asset event."""
+    """The tasks around the work: the options, the lease, the asset event. A task returning a
+    ``dict`` pushes each key as an XCom of its own (Airflow infers ``multiple_outputs``) but
+    the options, the lease and a range's result: one XCom each (the summary keeps its keys,
+    which its XCom view lists)."""
     from airflow.sdk import setup, task, teardown
 
-    @task(pool=pool)
+    @task(pool=pool, multiple_outputs=False)
     @jobs.config_errors_fail
     def validate_options(params=None, logical_date=None, dag_run=None) -> dict:
         return jobs.validate(job, params, logical_date, dag_run)
 
     @setup
-    @task(pool=pool)
+    @task(pool=pool, multiple_outputs=False)
     @jobs.config_errors_fail
     def acquire_lease(opts: dict, run_id=None) -> dict:
         return jobs.acquire_lease(job, opts, run_id)
@@ -90,7 +93,7 @@ def _work_tasks(job: jobs.Job, pool: str) -> tuple:
     def plan(opts: dict, lease: dict, kind: str | None, run_id=None) -> list[dict]:
         return runs.plan(runs.Run.of(job, opts, run_id, lease), kind)
 
-    @task(pool=pool, map_index_template="{{ range_label }}")
+    @task(pool=pool, map_index_template="{{ range_label }}", multiple_outputs=False)
     def work(rng: dict, opts: dict, lease: dict, run_id=None) -> dict:
         # the range's own pass (rng["family"]) is worked: tonight's order may differ
         get_current_context()["range_label"] = rng["label"]
