@@ -18,9 +18,7 @@ from pin_nightly import console, notes
 class PinNightlyPlugin(AirflowPlugin):
     name = "pin_nightly"
     listeners = [notes]
-    fastapi_apps = [
-        {"app": console.create_app(), "url_prefix": console.URL_PREFIX, "name": "pin-nightly"}
-    ]
+    fastapi_apps = [{"app": console.App(), "url_prefix": console.URL_PREFIX, "name": "pin-nightly"}]
     external_views = [
         {
             "name": "pin-nightly",

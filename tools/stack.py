@@ -224,11 +224,7 @@ class Stack:
                     continue
                 if e.get("level") in ("warning", "error", "critical"):
                     where = path.relative_to(run_dir)
-                    detail = "".join(
-                        f"\n    {x['exc_type']}: {x['exc_value']} at "
-                        + " < ".join(f"{f['name']}:{f['lineno']}" for f in x["frames"][::-1][:4])
-                        for x in e.get("error_detail") or []
-                    )
+                    detail = "".join(map(_error_detail, e.get("error_detail") or []))
                     events.append(
                         f"{e.get('timestamp')} {where} {e['level']}: {e.get('event')} {detail}"
                     )
@@ -242,6 +238,16 @@ class Stack:
             ]
             for t in tis["task_instances"]
         }
+
+
+def _error_detail(x: Any) -> str:
+    """One error of a log event (type, message, innermost frames); whatever a malformed one
+    holds, as it is, so that the evidence never hides the assertion it explains."""
+    if not isinstance(x, dict):
+        return f"\n    {x!r}"
+    frames = [f for f in x.get("frames") or [] if isinstance(f, dict)]
+    where = " < ".join(f"{f.get('name')}:{f.get('lineno')}" for f in frames[::-1][:4])
+    return f"\n    {x.get('exc_type')}: {x.get('exc_value')} at {where}"
 
 
 # --- CeleryExecutor ------------------------------------------------------------------------

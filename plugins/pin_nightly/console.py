@@ -11,7 +11,7 @@ the user read are shown (docs/operations.md, "The console").
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations, and
-# their types are imported inside create_app (the plugin loads in every Airflow process).
+# their types are imported inside create_app (the plugin loads in every Airflow process, see App).
 import functools
 import html
 import json
@@ -584,9 +584,23 @@ def plotly_js() -> bytes:
     return get_plotlyjs().encode()
 
 
+class App:
+    """The console as the API server mounts it at :data:`URL_PREFIX`: an ASGI app that builds
+    the FastAPI app (:func:`create_app`) at its first request. Every Airflow process loads the
+    plugin, a task's too (for its listeners): none of them imports FastAPI and the core API for
+    a console it never serves."""
+
+    def __init__(self) -> None:
+        self._app = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self._app is None:
+            self._app = create_app()
+        await self._app(scope, receive, send)
+
+
 def create_app():
-    """The console's FastAPI app, which the API server mounts at :data:`URL_PREFIX`: the page,
-    its JSON, plotly.js, and the controls."""
+    """The console's FastAPI app: the page, its JSON, plotly.js, and the controls."""
     from fastapi import FastAPI
 
     app = FastAPI(title="pin-nightly console", docs_url=None, redoc_url=None, openapi_url=None)
