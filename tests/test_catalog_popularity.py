@@ -76,6 +76,7 @@ def test_first_snapshot_is_a_baseline(catalog_db):
     assert catalog_db.snapshots(big) == [(D, 5_000_000)]
 
 
+@pytest.mark.long
 def test_first_nights_keep_the_platform_scores_until_the_window_is_covered(catalog_db):
     """A platform switching to the job has scores and no snapshot history: the first night keeps
     every score (its window has no history yet), the next nights add the decayed inherited score
@@ -155,6 +156,7 @@ def test_snapshot_ids_are_time_ordered_and_kept_by_a_rerun(catalog_db):
     ) == sorted(before)
 
 
+@pytest.mark.long
 def test_a_card_without_new_views_decays_to_zero_past_the_window(catalog_db):
     w, h = 4, 2
     cid = catalog_db.card(views=50)

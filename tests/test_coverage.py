@@ -143,6 +143,7 @@ def test_a_pass_cut_inside_one_range_every_night_still_reaches_the_next_ranges(
         assert {c for (c,) in snaps} == set(cards), nights[k]
 
 
+@pytest.mark.long
 def test_a_graceful_stop_in_the_first_pass_every_night_does_not_starve_the_second(
     catalog_db, monkeypatch
 ):

@@ -165,6 +165,7 @@ CONFIG_ERRORS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_a_mistyped_manual_conf_is_a_config_error_not_an_error(news_db, catalog_db):
     """A manual run refused for its conf counts in config_errors_total (no alert reads it),
     not in errors_total, which pages."""

@@ -608,6 +608,7 @@ def test_job_owned_history_is_pruned_past_its_retention_by_the_nightly_runs(news
     )
 
 
+@pytest.mark.long
 def test_history_the_signals_or_the_rotation_need_is_kept_and_manual_runs_prune_nothing(
     news_db, scheduler_dag
 ):
