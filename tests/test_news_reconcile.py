@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from tests.helpers import assert_ok, when
-from tools.rundag import run_count, run_dag
+from tools.rundag import run_count, run_dag, xcom_keys
 
 DAG = "news_comment_reconcile"
 FULL = {"scope": "FullSweep"}
@@ -35,6 +35,21 @@ def test_all_counters_correct_is_a_noop(news_db):
     assert (s["posts_reconciled"], s["drift_corrected"]) == (20, 0)
     assert news_db.snapshot() == before
     assert s["last_post_id"] == max(ids)
+
+
+def test_a_task_stores_one_xcom_and_the_summary_keeps_its_keys(news_db):
+    """The options, the lease, the plan and each range's result are one XCom each (each key
+    would be a metadata row and an execution-API call of its own); the summary also keeps its
+    result's keys, which its XCom view lists."""
+    news_db.posts(20, visible=1)
+    r = run({**FULL, "batch_size": 5, "max_ranges": 4})
+    s = assert_ok(r)
+    keys = xcom_keys(DAG, r["run_id"])
+    ranges = sorted(k for k in keys if k.startswith("reconcile_range["))
+    assert len(ranges) == 4, keys
+    for task in ("validate_options", "acquire_lease", "plan_ranges", *ranges):
+        assert keys[task] == {"return_value"}, (task, keys[task])
+    assert keys["summarize"] == {"return_value", *s}
 
 
 def test_drift_is_corrected_then_a_second_run_corrects_nothing(news_db):

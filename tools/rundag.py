@@ -28,6 +28,7 @@ AIRFLOW_INTERNALS = (
     "airflow.models.dagrun:DagRun.update_state",
     "airflow.models.taskinstance:TaskInstance",
     "airflow.models.xcom:XComModel.get_many",
+    "airflow.models.xcom:XComModel.key",
     "airflow.models.xcom:XComModel.deserialize_value",
     "airflow.sdk.definitions.dag:_run_task",
     "airflow.serialization.definitions.dag:SerializedDAG.create_dagrun",
@@ -249,6 +250,21 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
             "summary": XComModel.deserialize_value(row) if row else None,
             "note": dr.note,
         }
+
+
+def xcom_keys(dag_id: str, run_id: str) -> dict[str, set[str]]:
+    """The XCom keys each task instance of a run stored (``task`` or ``task[map_index]``)."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    out: dict[str, set[str]] = {}
+    with create_session() as session:
+        rows = session.query(XComModel.task_id, XComModel.map_index, XComModel.key).filter(
+            XComModel.dag_id == dag_id, XComModel.run_id == run_id
+        )
+        for task_id, map_index, key in rows:
+            out.setdefault(task_id if map_index < 0 else f"{task_id}[{map_index}]", set()).add(key)
+    return out
 
 
 def run_count(dag_id: str) -> int:

@@ -55,10 +55,10 @@ def _wire(job: jobs.Job, run_tasks: tuple, work_tasks: tuple) -> None:
 
 
 def _run_tasks(job: jobs.Job, pool: str) -> tuple:
-    """The tasks around the work: the options, the lease, the asset event. A task returning a
-    ``dict`` pushes each key as an XCom of its own (Airflow infers ``multiple_outputs``) but
-    the options, the lease and a range's result: one XCom each (the summary keeps its keys,
-    which its XCom view lists)."""
+    """The tasks around the work: the options, the lease, the asset event. Airflow stores each
+    key of a task's ``dict`` result as an XCom of its own too (it infers ``multiple_outputs``):
+    the options, the lease and a range's result are one XCom each; the summary keeps its keys,
+    which its XCom view lists."""
     from airflow.sdk import setup, task, teardown
 
     @task(pool=pool, multiple_outputs=False)
