@@ -331,3 +331,22 @@ def test_controls_are_given_by_editors_only_and_refused_with_a_reason(api, news_
     assert_ok(run_dag(NEWS, {"scope": "FullSweep", "batch_size": 10, "max_ranges": 1}))
     r = post("pause")
     assert r.status_code == 409 and "not open" in r.json()["detail"]
+
+
+def test_a_task_process_loads_the_plugin_without_building_the_console():
+    """Every task process loads the plugin (for the run notes' listener): the console's
+    FastAPI app, and FastAPI with it, are built when the API server serves the first request."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from airflow.sdk.listener import get_listener_manager; "
+        "get_listener_manager(); "
+        "print('loaded:', *[m for m in ('pin_nightly_plugin', 'fastapi') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("loaded:")]
+    assert loaded == [["pin_nightly_plugin"]], out.stdout[-2000:]
