@@ -102,19 +102,11 @@ def drift_alert(
     (``counted``: since the previous nightly run's summary, or in this run)."""
     from airflow.sdk.configuration import conf
 
-    log.error(
-        "drift spike: %s run %s: %s posts corrected %s (threshold %s); look for a bug in the "
-        "hot-path increment (INV-CMT-005)",
-        dag_id,
-        run_id,
-        drift_corrected,
-        counted,
-        threshold,
-    )
     description = (
         f"the comments_count of {drift_corrected} posts was corrected {counted}, more than the "
         f"drift_alert_threshold of {threshold}: the hot-path increment has a bug"
     )
+    log.error("drift spike: %s run %s: %s (INV-CMT-005)", dag_id, run_id, description)
     name, state = "drift_above_threshold", "running"  # sent by the run's own summary task
     about = run_fields(name, description, dag_id, run_id, state, base_url(conf))
     counts = {"drift_corrected": drift_corrected, "threshold": threshold, "counted": counted}

@@ -72,12 +72,8 @@ class Popularity(jobs.Job):
             log.warning("as_of_date %s: %s; this run writes nothing", opts["as_of_date"], why)
             return None
         if family != kind:
-            log.info(
-                "the %s pass is behind (its pass of the night before did not finish): it goes "
-                "first tonight, passes %s",
-                order[0],
-                " then ".join(order),
-            )
+            what = "the %s pass is behind (the night before did not finish it): passes %s"
+            log.info(what, order[0], " then ".join(order))
         return runs.Pass(_spec(family, opts), worker, family, share)
 
     def worker(self, run: runs.Run, rng: dict[str, Any]) -> Recompute:
@@ -297,7 +293,7 @@ def validate_options(
     params: dict[str, Any], run_instant: datetime, run_id: str | None = None, nightly: bool = False
 ) -> dict[str, Any]:
     """Check every option and the rules across them; fix as_of_date (``run_instant``'s day in
-    UTC; ``nightly``: a scheduled run, see :func:`jobs.is_nightly`). No database access."""
+    UTC; ``nightly``: a scheduled run, see :func:`jobs.run_type`). No database access."""
     p = jobs.given(DEFAULTS, params)
     errors: list[str] = []
     card_ids = parse_uuids("card_ids", p["card_ids"], errors)
@@ -312,17 +308,9 @@ def validate_options(
         "run_tag": jobs.run_tag(),
         "nightly": nightly,
     }
-    log.info(
-        "run started: run=%s as_of_date=%s window_days=%s half_life_days=%s batch_size=%s "
-        "dry_run=%s card_ids=%d",
-        run_id,
-        opts["as_of_date"],
-        p["window_days"],
-        p["half_life_days"],
-        p["batch_size"],
-        p["dry_run"],
-        len(card_ids),
-    )
+    shown = ("as_of_date", "window_days", "half_life_days", "batch_size", "dry_run")
+    named = " ".join(f"{k}={opts[k]}" for k in shown)
+    log.info("run started: run=%s %s card_ids=%d", run_id, named, len(card_ids))
     return opts
 
 
@@ -527,22 +515,10 @@ class Recompute(ranges.Worker):
         valid = {r["id"]: r for r in rows if r["views"] is not None and r["views"] >= 0}
         poison = [r for r in rows if r["id"] not in valid]
         for r in poison:
-            log.error(
-                "item failed: card_kind=%s card_id=%s: popularity_views is %s; no snapshot "
-                "and no score written",
-                self.kind,
-                r["id"],
-                r["views"],
-            )
+            self._failed(r["id"], f"popularity_views is {r['views']}; no snapshot and no score")
         out, failed = self._apply_all(cur, valid) if valid else ({}, [])
         for card_id in out.get("overflow_ids", []):
-            log.error(
-                "item failed: card_kind=%s card_id=%s: score does not fit numeric(12,4) "
-                "(> %s); score not written",
-                self.kind,
-                card_id,
-                MAX_SCORE,
-            )
+            self._failed(card_id, f"score does not fit numeric(12,4) (> {MAX_SCORE}); no score")
         locked = out.get("cards_locked", 0)
         counters = ranges.Counters(
             processed=locked + len(poison) + len(failed),
@@ -553,6 +529,9 @@ class Recompute(ranges.Worker):
         full = len(rows) >= limit
         skipped = out.get("skipped_ids", [])
         return ranges.Batch(counters, last_id=rows[-1]["id"], full=full, skipped_ids=skipped)
+
+    def _failed(self, card_id: str, why: str) -> None:
+        log.error("item failed: card_kind=%s card_id=%s: %s written", self.kind, card_id, why)
 
     def _apply_all(self, cur, valid: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list]:
         """``catalog/apply`` for the ``valid`` cards (isolating the ones that make it fail;

@@ -147,11 +147,11 @@ async def within_own_budget(
     queued = datetime.fromisoformat(str(run.get("queued_at") or run.get("run_after")))
     due = queued + timedelta(seconds=own)
     log.info(
-        "run %s of %s has a budget of its own (%s): over budget only after %s",
+        "run %s of %s has a budget of its own (%s): over it after %s",
         run_id,
         dag_id,
         _span(own),
-        due.isoformat(),
+        due,
     )
     while (left := (due - datetime.now(UTC)).total_seconds()) > 0:
         state = await _run_state(dag_id, run_id)

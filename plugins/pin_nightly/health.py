@@ -300,12 +300,8 @@ class Health:
             if not over:
                 if pause.signals:
                     pause.seconds = time.monotonic() - started
-                    log.info(
-                        "%s resumes after %.1f s paused (%s)",
-                        label,
-                        pause.seconds,
-                        ", ".join(pause.signals),
-                    )
+                    why = ", ".join(pause.signals)
+                    log.info("%s resumes after %.1f s paused (%s)", label, pause.seconds, why)
                 return pause
             self._count(pause, over)
             if left is not None and left <= 0:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from airflow.sdk import Param
+
 from pin_nightly import health as healths
 from pin_nightly import lease as leases
 from pin_nightly import metrics, tracing
@@ -122,7 +124,7 @@ class Job:
 
     def options(self, params: dict[str, Any], instant: datetime, run_id: str, nightly: bool):
         """The run's options from its ``params`` about ``instant`` (``nightly``: a scheduled
-        run, see :func:`is_nightly`), every rule checked; no database access."""
+        run, see :func:`run_type`), every rule checked; no database access."""
         raise NotImplementedError
 
     def check_date(self, opts: dict[str, Any], instant: datetime, backfill: bool) -> None:  # noqa: ARG002
@@ -198,8 +200,6 @@ HISTORY_DAYS = 90  # the runbook reads three months back
 def retention_param(what: str):
     """A history retention param: at least :data:`HISTORY_DAYS` (what the runbook reads), and
     applied by nightly runs only (see :func:`runs.prune_history`)."""
-    from airflow.sdk import Param
-
     return Param(
         HISTORY_DAYS,
         type="integer",
@@ -220,8 +220,6 @@ def common_params(
 ) -> dict[str, Any]:
     """The params both jobs have: time budget, lease TTL, targeted ids, dry run, ranges,
     history retention and pacing."""
-    from airflow.sdk import Param
-
     return {
         **budget_params(run_minutes, ttl_minutes),
         ids: Param(
@@ -253,8 +251,6 @@ def common_params(
 
 def batch_params() -> dict[str, Any]:
     """How a range sizes its batches and treats the rows that failed before."""
-    from airflow.sdk import Param
-
     return {
         "batch_target_ms": Param(
             0,
@@ -278,8 +274,6 @@ def batch_params() -> dict[str, Any]:
 
 def budget_params(run_minutes: float, ttl_minutes: float) -> dict[str, Any]:
     """The run's time budget and the lease's TTL (see :func:`check_budget`)."""
-    from airflow.sdk import Param
-
     return {
         "max_run_duration_minutes": Param(
             run_minutes,
@@ -302,8 +296,6 @@ def budget_params(run_minutes: float, ttl_minutes: float) -> dict[str, Any]:
 def pace_params() -> dict[str, Any]:
     """The params of pacing on the database's health (:data:`health.LIMITS`, docs/operations.md
     "Pacing on the database's health") and of the replicas it watches."""
-    from airflow.sdk import Param
-
     out = {}
     for lim in healths.LIMITS:
         if isinstance(lim.default, bool):
@@ -414,9 +406,9 @@ def validate(job: Job, params: dict[str, Any], logical_date, dag_run) -> dict[st
     params over the deployment's settings, its date checked; nothing is written."""
     instant = run_instant(logical_date, dag_run.run_after)
     params, settings = deployment_settings(job, job.params, params, dag_run.conf)
-    opts = job.options(params, instant, dag_run.run_id, is_nightly(dag_run.run_type))
+    opts = job.options(params, instant, dag_run.run_id, run_type(dag_run) == "scheduled")
     opts["settings"] = settings
-    job.check_date(opts, instant, is_backfill(dag_run.run_type))
+    job.check_date(opts, instant, run_type(dag_run) == "backfill")
     return opts
 
 
@@ -465,22 +457,9 @@ def acquire_lease(job: Job, opts: dict[str, Any], run_id: str) -> dict[str, Any]
             leases.release_holder(conn, job.lock_key, holder)
             raise
     if isinstance(got, leases.LeaseHeld):
-        log.warning(
-            "%s: %s (key=%s holder=%s expires_at=%s)",
-            job.code,
-            LOCK_HELD,
-            job.lock_key,
-            got.holder,
-            got.expires_at,
-        )
+        log.warning("%s: %s (key=%s holder=%s)", job.code, LOCK_HELD, job.lock_key, got)
         return {"acquired": False, "holder": got.holder, "expires_at": got.expires_at}
-    log.info(
-        "lease %s acquired by %s (token %s); run deadline %s",
-        job.lock_key,
-        holder,
-        got.token,
-        got.run_deadline_at,
-    )
+    log.info("lease %s acquired: %s", job.lock_key, got)
     trace = tracing.new_run(run_attributes(job, opts, run_id, holder))
     return {**got.to_xcom(), "acquired": True, "warnings": warnings, "trace": trace}
 
@@ -502,17 +481,13 @@ def run_attributes(job: Job, opts: dict[str, Any], run_id: str, holder: str) -> 
     return attributes
 
 
-def is_nightly(run_type: Any) -> bool:
-    """Whether a run of this type is the nightly work: a scheduled run (not one triggered by
-    hand, a backfill or an asset). Only nightly runs set the gauges that describe the nightly
-    work (a targeted repair of 3 posts must not clear a drift alert)."""
-    return str(getattr(run_type, "value", run_type)) == "scheduled"
-
-
-def is_backfill(run_type: Any) -> bool:
-    """Whether a run was created by an Airflow backfill (the trigger form's Backfill tab,
-    ``POST /api/v2/backfills``, ``airflow backfill create``)."""
-    return str(getattr(run_type, "value", run_type)) == "backfill"
+def run_type(dag_run: Any) -> str:
+    """A DAG run's type: ``scheduled`` (the nightly work; only such runs set the gauges that
+    describe it: a targeted repair of 3 posts must not clear a drift alert), ``manual``,
+    ``backfill`` (the trigger form's Backfill tab, ``airflow backfill create``) or
+    ``asset_triggered``."""
+    kind = getattr(dag_run, "run_type", "")
+    return str(getattr(kind, "value", kind)).lower()
 
 
 def check_backfill(job: Job, day: str, backfill: bool, snapshots: bool) -> None:
@@ -564,9 +539,9 @@ def task_failed(metric: str, context: dict[str, Any]) -> None:
     the nightly cannot run."""
     ti = context.get("task_instance") or context.get("ti")
     exc = context.get("exception")
-    dag_run = context.get("dag_run")
-    manual = str(getattr(dag_run, "run_type", "")).lower().endswith("manual")
-    if manual and isinstance(getattr(exc, "__cause__", None) or exc, JobConfigError):
+    if run_type(context.get("dag_run")) == "manual" and isinstance(
+        getattr(exc, "__cause__", None) or exc, JobConfigError
+    ):
         log.error("configuration error of a manual run: %s", exc)
         metrics.incr(f"{metric}_config_errors_total")
         return

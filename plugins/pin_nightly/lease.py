@@ -47,25 +47,19 @@ class LeaseHeld:
     holder: str
     expires_at: str
 
+    def __str__(self) -> str:
+        return f"{self.holder}, until {self.expires_at}"
+
 
 def rejoin(conn, lease: Lease) -> Lease:
     """The lease of ``lease.holder``'s run, taken again if it is gone; :class:`LeaseLost` when
     another run holds it. A new lease (new token, new time budget) is logged."""
     got = acquire(conn, lease.lock_key, lease.holder, lease.ttl_minutes, lease.max_run_minutes)
     if isinstance(got, LeaseHeld):
-        raise LeaseLost(
-            f"lease {lease.lock_key!r} is held by {got.holder} (until "
-            f"{got.expires_at}); this run may not write"
-        )
+        raise LeaseLost(f"lease {lease.lock_key!r} is held by {got}; this run may not write")
     if got.token != lease.token:
         log.warning(
-            "lease %s was no longer held by %s (token %s): taken again with token %s; "
-            "run deadline %s",
-            lease.lock_key,
-            lease.holder,
-            lease.token,
-            got.token,
-            got.run_deadline_at,
+            "lease of %s (token %s) was gone, taken again: %s", lease.holder, lease.token, got
         )
     return got
 
@@ -88,14 +82,7 @@ def acquire(conn, lock_key: str, holder: str, ttl_minutes, max_run_minutes) -> L
             other = fetch_one_dict(cur) or {"holder": "?", "expires_at": "?"}
             return LeaseHeld(holder=other["holder"], expires_at=str(other["expires_at"]))
     at = {k: row[k].isoformat() for k in ("acquired_at", "run_deadline_at")}
-    return Lease(
-        lock_key,
-        holder,
-        int(row["token"]),
-        **at,
-        ttl_minutes=ttl_minutes,
-        max_run_minutes=max_run_minutes,
-    )
+    return Lease(**params, token=int(row["token"]), **at)
 
 
 def fence(cur, lease: Lease, budget_share: float = 1.0) -> tuple[bool, bool]:

@@ -275,7 +275,7 @@ def validate_options(
     params: dict[str, Any], run_instant: datetime, nightly: bool = False
 ) -> dict[str, Any]:
     """Check every option and the rules across them; resolve the scope for the run about
-    ``run_instant`` (``nightly``: a scheduled run, see :func:`jobs.is_nightly`). No database
+    ``run_instant`` (``nightly``: a scheduled run, see :func:`jobs.run_type`). No database
     access."""
     from croniter import croniter
 
@@ -299,16 +299,8 @@ def validate_options(
         "run_tag": jobs.run_tag(),
         "nightly": nightly,
     }
-    log.info(
-        "options: scope=%s (asked %s) batch_size=%s max_run_duration_minutes=%s "
-        "dry_run=%s post_ids=%d",
-        scope,
-        p["scope"],
-        p["batch_size"],
-        p["max_run_duration_minutes"],
-        p["dry_run"],
-        len(post_ids),
-    )
+    named = " ".join(f"{k}={p[k]}" for k in ("batch_size", "max_run_duration_minutes", "dry_run"))
+    log.info("options: scope=%s (asked %s) %s post_ids=%d", scope, p["scope"], named, len(post_ids))
     return opts
 
 
@@ -378,37 +370,25 @@ class Reconcile(ranges.Worker):
 
     def plan(self, cur, sweep: dict[str, Any]) -> tuple[int, list[str]]:
         """Collect a DailyWindow's or a targeted repair's candidates; split the posts."""
-        scope, sweep_id = self.opts["effective_scope"], sweep["sweep_id"]
-        if scope == "DailyWindow":
-            cutoff = _window_cutoff(cur, self.opts)
+        o, sweep_id = self.opts, {"sweep_id": sweep["sweep_id"]}
+        if o["effective_scope"] == "DailyWindow":
+            cutoff = _window_cutoff(cur, o)
             cur.execute(
-                sql("news/window_candidates"),
-                {"sweep_id": sweep_id, "cutoff": cutoff, "job": JOB.code},
+                sql("news/window_candidates"), {**sweep_id, "cutoff": cutoff, "job": JOB.code}
             )
             log.info(
                 "DailyWindow: %d candidate posts with comment activity since %s",
                 cur.rowcount,
-                cutoff.isoformat(),
+                cutoff,
             )
-            cur.execute(
-                sql("common/sweep_set_params"),
-                {"sweep_id": sweep_id, "params": json.dumps({"cutoff": cutoff.isoformat()})},
-            )
-        elif scope == "Targeted":
-            cur.execute(
-                sql("news/targeted_candidates"),
-                {"sweep_id": sweep_id, "post_ids": self.opts["post_ids"]},
-            )
+            params = json.dumps({"cutoff": cutoff.isoformat()})
+            cur.execute(sql("common/sweep_set_params"), {**sweep_id, "params": params})
+        elif o["effective_scope"] == "Targeted":
+            cur.execute(sql("news/targeted_candidates"), {**sweep_id, "post_ids": o["post_ids"]})
         if self.candidate_mode:
             cur.execute(sql("news/analyze_candidates"))
         source = sql("news/candidate_source" if self.candidate_mode else "news/full_source")
-        return sweeps.boundaries(
-            cur,
-            source.strip(),
-            {"sweep_id": sweep_id},
-            self.opts["batch_size"],
-            self.opts["max_ranges"],
-        )
+        return sweeps.boundaries(cur, source.strip(), sweep_id, o["batch_size"], o["max_ranges"])
 
     def batch(self, cur, after_id, upper_id, limit: int) -> ranges.Batch:
         cur.execute(
@@ -441,13 +421,8 @@ class Reconcile(ranges.Worker):
         if skipped and not dry_run:
             cur.execute(sql("news/skipped_record"), {"ids": skipped})
         for d in drift:
-            log.debug(
-                "drift %s: post %s comments_count %s -> %s",
-                "found" if dry_run else "corrected",
-                d["id"],
-                d["count_from"],
-                d["count_to"],
-            )
+            what = "found" if dry_run else "corrected"
+            log.debug("drift %s: post %s %s -> %s", what, d["id"], d["count_from"], d["count_to"])
         # reconciled: every eligible post read, except those left locked by someone else
         processed = got["n_eligible"] - len(skipped) - len(failed)
         return ranges.Batch(

@@ -400,11 +400,9 @@ class _Range:
         """While the sweep is paused from the console: recheck every :data:`controls.POLL_S`
         outside any transaction (no lock held), renewing the lease; the control once resumed
         (None: the range's budget is spent, or a stop was requested)."""
+        by = f"{ctl.updated_by} at {ctl.updated_at}"
         log.warning(
-            "range %s: sweep paused by %s at %s; waiting (no lock, no transaction held)",
-            self.label,
-            ctl.updated_by,
-            ctl.updated_at,
+            "range %s: sweep paused by %s; waiting (no lock, no transaction held)", self.label, by
         )
         metrics.incr(healths.METRIC, tags={"dag_id": self.job.dag_id, "signal": "operator"})
         started = time.monotonic()
@@ -434,9 +432,7 @@ class _Range:
         if cur.fetchone() is None:
             raise RuntimeError(f"range {self.key} was {why}")
 
-    def batch(
-        self, cursor: str | None, upper: str | None, limit: int, paused: healths.Pause | None = None
-    ) -> tuple[Batch | None, bool]:
+    def batch(self, cursor, upper, limit: int, paused: healths.Pause) -> tuple[Batch | None, bool]:
         """One batch transaction (fencing, the job's batch, the checkpoint): the batch (None: past
         the run's deadline, nothing done), and whether the lease is due for renewal. ``paused``:
         the pause before it, for its span."""
@@ -464,9 +460,7 @@ class _Range:
             )
         return b, renew_due
 
-    def retry(
-        self, row_id: str, timeout_ms: int, paused: healths.Pause | None = None, first=False
-    ) -> Counters | None:
+    def retry(self, row_id: str, timeout_ms: int, paused: healths.Pause, first) -> Counters | None:
         """The end-of-range retry of one skipped row (``first``: a remembered row the range
         takes first, not skipped by it), in its own transaction, waiting at most
         ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline).
@@ -594,36 +588,20 @@ def _next_batch(
 
 def _log_batch(work: _Range, b: Batch) -> Counters:
     done = b.checkpoint()
+    rows = f"rows={done.processed} changed={done.changed} skipped_locked={done.skipped_locked}"
     log.info(
-        "batch processed: range=%s rows=%d changed=%d skipped_locked=%d cursor=%s lock_ms=%.1f",
-        work.label,
-        done.processed,
-        done.changed,
-        done.skipped_locked,
-        b.last_id,
-        b.ms,
+        "batch processed: range=%s %s cursor=%s lock_ms=%.1f", work.label, rows, b.last_id, b.ms
     )
     return done
 
 
-def _batch_start(
-    after_id: str | None,
-    batch_size: int,
-    paused: healths.Pause | None = None,
-    job: Worker | None = None,
-) -> dict[str, Any]:
-    pause = paused.attributes() if paused is not None else {}
-    return {
-        "pin.batch.after_id": after_id,
-        "pin.batch_size": batch_size,
-        "batch_size": batch_size,  # the spec's name
-        **pause,
-        **(job.span_attributes if job is not None else {}),
-    }
+def _batch_start(after_id: str | None, size: int, paused: healths.Pause, job: Worker) -> dict:
+    ids = {"pin.batch.after_id": after_id, "pin.batch_size": size}
+    return {**ids, "batch_size": size, **paused.attributes(), **job.span_attributes}  # the spec's
 
 
-def _retry_start(row_id: str, paused: healths.Pause | None = None) -> dict[str, Any]:
-    return {"pin.batch.row_id": row_id, **(paused.attributes() if paused is not None else {})}
+def _retry_start(row_id: str, paused: healths.Pause) -> dict[str, Any]:
+    return {"pin.batch.row_id": row_id, **paused.attributes()}
 
 
 def _batch_attributes(b: Batch | None) -> dict[str, Any]:

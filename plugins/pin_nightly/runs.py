@@ -336,17 +336,11 @@ def write_run_log(conn, run: Run, result: dict[str, Any]) -> None:
     """The run's row in the run log; a run that found the lease held writes one that never
     replaces one of a run with the same id that worked."""
     started_at = run.lease.acquired_at if run.lease else None
+    row = {"job": run.job.code, "run_id": run.run_id, "status": result["status"]}
+    row.update(started_at=started_at, lock_held=started_at is None)
     with transaction(conn) as cur:
         cur.execute(
-            sql("common/run_log_upsert"),
-            {
-                "job": run.job.code,
-                "run_id": run.run_id,
-                "status": result["status"],
-                "result": json.dumps(result, default=str),
-                "started_at": started_at,
-                "lock_held": started_at is None,
-            },
+            sql("common/run_log_upsert"), {**row, "result": json.dumps(result, default=str)}
         )
 
 

@@ -139,13 +139,11 @@ def boundaries(
     return total, inner
 
 
-def open_sweep(
-    conn,
-    spec: SweepSpec,
-    lease: leases.Lease,
-    run_id: str,
-    plan: Callable[[Any, dict[str, Any]], tuple[int, list[str]]],
-) -> dict[str, Any]:
+# plan(cur, sweep): a new sweep's (rows, inner_boundaries), see ranges.Worker.plan
+Planner = Callable[[Any, dict[str, Any]], tuple[int, list[str]]]
+
+
+def open_sweep(conn, spec: SweepSpec, lease: leases.Lease, run_id: str, plan: Planner) -> dict:
     """Find, adopt or create the sweep of ``spec`` for the acquisition ``lease`` (of the run
     ``run_id``); return it with its ranges. Sweeps and ranges belong to the acquisition (the
     lease holder), not to the run id, which other deployments give their runs too.
@@ -154,13 +152,8 @@ def open_sweep(
     for a new sweep. A real sweep whose precedence is not ``OWN`` also adopts the job's other
     unfinished real sweeps, returned under ``"others"``, oldest first.
     """
-    base = {
-        "job": spec.job,
-        "scope": spec.scope,
-        "family": spec.family,
-        "run_id": run_id,
-        "owner": lease.holder,
-    }
+    base = {"job": spec.job, "scope": spec.scope, "family": spec.family, "run_id": run_id}
+    base["owner"] = lease.holder
     with transaction(conn) as cur:
         _close_leftovers(cur, base)
         sweep = _find_or_adopt(cur, spec, base)
@@ -174,7 +167,7 @@ def open_sweep(
     return sweep
 
 
-def _log_sweeps(cur, level: int, what: str) -> None:
+def _log_sweeps(cur, what: str, level: int = logging.WARNING) -> None:
     """Log each sweep the statement just executed returned, and ``what`` became of it."""
     for s in fetch_dicts(cur):
         log.log(level, "sweep %s (%s) of run %s %s", s["sweep_id"], s["scope"], s["run_id"], what)
@@ -184,15 +177,10 @@ def _close_leftovers(cur, base: dict[str, Any]) -> None:
     """Close the job's sweeps whose ranges are all done, and abandon the unfinished sweeps that
     no run may adopt (targeted repairs and dry runs of other acquisitions)."""
     cur.execute(sql("common/sweep_close_finished"), {**base, "keep_owner": base["owner"]})
-    _log_sweeps(
-        cur,
-        logging.WARNING,
-        "had all its ranges done but was never closed (its summary did not run): closed now",
-    )
+    _log_sweeps(cur, "had all its ranges done but its summary did not run: closed now")
     cur.execute(sql("common/sweep_abandon_orphans"), base)
     _log_sweeps(
         cur,
-        logging.WARNING,
         "was left unfinished and cannot be resumed by another run: abandoned (trigger that "
         "repair again if still needed)",
     )
@@ -214,20 +202,12 @@ def _find_or_adopt(cur, spec: SweepSpec, base: dict[str, Any]) -> dict[str, Any]
     sweep = fetch_one_dict(cur)
     if sweep is not None:
         cur.execute(sql("common/sweep_adopt_ranges"), {**base, "sweep_id": sweep["sweep_id"]})
-        log.info(
-            "sweep %s (%s) adopted from an earlier run: resuming from its cursors",
-            sweep["sweep_id"],
-            spec.scope,
-        )
+        log.info("sweep %s (%s) adopted: resuming from its cursors", sweep["sweep_id"], spec.scope)
         return {**sweep, "adopted": True}
     if spec.precedence is Precedence.REPLACES:
         cur.execute(sql("common/sweep_abandon_subsumed"), base)
-        _log_sweeps(
-            cur,
-            logging.INFO,
-            "was left unfinished: this run's new sweep covers all it had left, so it is closed "
-            "as abandoned",
-        )
+        what = "was left unfinished: this run's new sweep covers all it had left: abandoned"
+        _log_sweeps(cur, what, logging.INFO)
     return None
 
 
@@ -287,9 +267,7 @@ def _adopt_others(cur, base: dict[str, Any]) -> list[dict[str, Any]]:
         other["adopted"] = True
         cur.execute(sql("common/sweep_adopt_ranges"), {**base, "sweep_id": other["sweep_id"]})
         log.info(
-            "sweep %s (%s) is unfinished: this run resumes it after its own",
-            other["sweep_id"],
-            other["scope"],
+            "sweep %(sweep_id)s (%(scope)s) is unfinished: this run resumes it after its own", other
         )
     return others
 
