@@ -116,6 +116,7 @@ def test_batch_size_and_pacing_limits_change_mid_run(news_db):
     assert [c["action"] for c in s["controls"]] == ["settings", "settings"]
 
 
+@pytest.mark.long
 def test_a_sweep_paused_until_the_budget_ends_leaves_a_green_backlog(news_db):
     """A pause given to a sweep left open by an earlier run (no worker running it) is read by
     the range that resumes it: it waits, holding nothing, until its budget is spent; the run

@@ -133,7 +133,9 @@ def _hide_one_comment(db, pid: str) -> None:
     )
 
 
-@pytest.mark.parametrize("scope", ["FullSweep", "DailyWindow"])
+@pytest.mark.parametrize(
+    "scope", [pytest.param("FullSweep", marks=pytest.mark.long), "DailyWindow"]
+)
 def test_news_a_sweep_whose_summary_never_ran_does_not_park_later_drift(
     news_db, monkeypatch, scope
 ):

@@ -209,6 +209,7 @@ def test_future_dated_snapshots_are_reported_and_never_set_the_retention_horizon
 # --- a late clear of an older run -------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_a_late_clear_of_an_older_popularity_run_writes_nothing(catalog_db):
     """Night D's property-object range fails; nights D+1 and D+2 run; then the on-call clears
     the failed task instance of night D (with its downstream tasks, as the runbook says). The
