@@ -539,9 +539,8 @@ def task_failed(metric: str, context: dict[str, Any]) -> None:
     the nightly cannot run."""
     ti = context.get("task_instance") or context.get("ti")
     exc = context.get("exception")
-    if run_type(context.get("dag_run")) == "manual" and isinstance(
-        getattr(exc, "__cause__", None) or exc, JobConfigError
-    ):
+    config = isinstance(getattr(exc, "__cause__", None) or exc, JobConfigError)
+    if config and run_type(context.get("dag_run")) == "manual":
         log.error("configuration error of a manual run: %s", exc)
         metrics.incr(f"{metric}_config_errors_total")
         return

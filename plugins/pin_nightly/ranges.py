@@ -460,7 +460,9 @@ class _Range:
             )
         return b, renew_due
 
-    def retry(self, row_id: str, timeout_ms: int, paused: healths.Pause, first) -> Counters | None:
+    def retry(
+        self, row_id: str, timeout_ms: int, paused: healths.Pause, first: bool
+    ) -> Counters | None:
         """The end-of-range retry of one skipped row (``first``: a remembered row the range
         takes first, not skipped by it), in its own transaction, waiting at most
         ``timeout_ms`` for its lock: what it adds to the range (None: past the deadline).
@@ -596,8 +598,8 @@ def _log_batch(work: _Range, b: Batch) -> Counters:
 
 
 def _batch_start(after_id: str | None, size: int, paused: healths.Pause, job: Worker) -> dict:
-    ids = {"pin.batch.after_id": after_id, "pin.batch_size": size}
-    return {**ids, "batch_size": size, **paused.attributes(), **job.span_attributes}  # the spec's
+    ids = {"pin.batch.after_id": after_id, "pin.batch_size": size, "batch_size": size}
+    return {**ids, **paused.attributes(), **job.span_attributes}  # batch_size: the spec's name
 
 
 def _retry_start(row_id: str, paused: healths.Pause) -> dict[str, Any]:
