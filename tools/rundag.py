@@ -234,8 +234,7 @@ def run_outcome(dag_id: str, run_id: str) -> dict[str, Any]:
         dr = session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.run_id == run_id).one()
         tis = {}
         for ti in dr.get_task_instances(session=session):
-            key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]"
-            tis[key] = str(ti.state)
+            tis[_ti_name(ti.task_id, ti.map_index)] = str(ti.state)
         row = session.scalars(
             XComModel.get_many(
                 run_id=dr.run_id, dag_ids=dag_id, task_ids="summarize", key="return_value"
@@ -263,8 +262,13 @@ def xcom_keys(dag_id: str, run_id: str) -> dict[str, set[str]]:
             XComModel.dag_id == dag_id, XComModel.run_id == run_id
         )
         for task_id, map_index, key in rows:
-            out.setdefault(task_id if map_index < 0 else f"{task_id}[{map_index}]", set()).add(key)
+            out.setdefault(_ti_name(task_id, map_index), set()).add(key)
     return out
+
+
+def _ti_name(task_id: str, map_index: int) -> str:
+    """A task instance as the UI names it: ``task``, or ``task[map_index]`` when mapped."""
+    return task_id if map_index < 0 else f"{task_id}[{map_index}]"
 
 
 def run_count(dag_id: str) -> int:
