@@ -9,12 +9,15 @@ PYTEST_ARGS ?=
 .PHONY: setup demo test test-all soak mutants lint airflow bench bench-growth constraints clean stop
 
 # The development venv: runtime and development dependencies pinned by constraints.txt, and
-# the job package (plugins/pin_nightly) installed editable.
+# the job package (plugins/pin_nightly) installed editable. pip installs uv (pinned there too),
+# uv the rest: it downloads in parallel, a fresh venv in about 30 s instead of two minutes.
+# uv reads its own settings, not pip's: a package mirror is UV_INDEX_URL.
+UV = $(BIN)/uv pip install --quiet --python $(BIN)/python
 $(STAMP): $(DEPS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		-r requirements-dev.txt -c constraints.txt
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv -c constraints.txt
+	$(UV) --compile-bytecode -r requirements-dev.txt -c constraints.txt
+	$(UV) --no-deps -e .
 	@rm -f $(VENV)/.installed-* && touch $@
 
 setup: $(STAMP)
@@ -25,17 +28,18 @@ demo: setup
 # make test: everything but the real-stack modules, the exhaustive fault matrix and the long
 # system-level sequences, on TEST_WORKERS pytest-xdist workers (tests of one xdist_group share
 # a worker; the tests wait on PostgreSQL and on their slowed batches about as much as they
-# compute, so three keep two cores busy). make test-all adds them: the rest of the fault matrix
-# and the long sequences on the workers, then the stack modules on STACK_WORKERS, a module a
-# worker (each starts several Airflow processes of its own).
+# compute, so three keep two cores busy). make test-all adds them: make test's tests, the rest
+# of the fault matrix and the long sequences in one run on the workers (the long ones first),
+# then the stack modules on STACK_WORKERS, a module a worker (each starts several Airflow
+# processes of its own).
 TEST_WORKERS ?= 3
 STACK_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive and not long" $(PYTEST_ARGS)
 
-test-all: test
-	$(BIN)/python -m pytest $(XDIST) -m "exhaustive or long" $(PYTEST_ARGS)
+test-all: lint
+	$(BIN)/python -m pytest $(XDIST) -m "not stack" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -n $(STACK_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS
