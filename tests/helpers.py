@@ -566,7 +566,8 @@ class Webhook:
 
 def stack_databases(name: str) -> tuple[str, str, str, dict[str, str]]:
     """Fresh databases for a stack test ``name``: news and catalog (with their domain tables)
-    and Airflow's metadata, and the environment of the two job connections."""
+    and Airflow's metadata (migrated, the pools imported: the stack is ``migrated``), and the
+    environment of the two job connections."""
     from tests.conftest import SUFFIX
     from tools import devenv
     from tools.datagen import create_catalog_schema, create_news_schema
@@ -575,7 +576,7 @@ def stack_databases(name: str) -> tuple[str, str, str, dict[str, str]]:
     create_news_schema(news_dsn)
     catalog_dsn = devenv.recreate_database(f"pin_{name}_catalog{SUFFIX}")
     create_catalog_schema(catalog_dsn)
-    metadata_dsn = devenv.recreate_database(f"pin_{name}_airflow{SUFFIX}")
+    metadata_dsn = devenv.postgres_metadata(f"pin_{name}_airflow{SUFFIX}")
     conns = {
         "AIRFLOW_CONN_NEWS_DB": devenv.airflow_connection(news_dsn),
         "AIRFLOW_CONN_CATALOG_DB": devenv.airflow_connection(catalog_dsn),

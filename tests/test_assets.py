@@ -50,7 +50,7 @@ def stack(pg_admin):
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "True",  # asset-triggered runs
         },
     )
-    s = Stack(home, env).start()
+    s = Stack(home, env, migrated=True).start()
     try:
         s.wait_for_dags([NEWS, CATALOG, SCORES, COUNTS])
         s.news = helpers.NewsDB(news_dsn, psycopg.connect(news_dsn, autocommit=True))

@@ -70,7 +70,7 @@ def stack(pg_admin):
         # unpaused below, once the api-server answers: a task queued before it listens fails
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
     }
-    s = stacks.login_stack(home, metadata_dsn, env, USER, cls=LoginStack)
+    s = stacks.login_stack(home, metadata_dsn, env, USER, cls=LoginStack, migrated=True)
     try:
         s.start()
         s.wait_for_dags([NEWS, CATALOG])

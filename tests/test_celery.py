@@ -78,7 +78,7 @@ def stack(pg_admin, tmp_path_factory):
             },
         )
         env.update(celery_settings(env, redis.url))
-        s = CeleryStack(home, env).start()
+        s = CeleryStack(home, env, migrated=True).start()
         s.names = iter(f"w{i}" for i in range(1, 100))
         s.wait_for_dags([NEWS, CATALOG])
         two_workers(s)

@@ -27,7 +27,7 @@ def stack(pg_admin):
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     news_dsn, _, metadata_dsn, conns = helpers.stack_databases("console")
-    s = login_stack(home, metadata_dsn, conns, USER)
+    s = login_stack(home, metadata_dsn, conns, USER, migrated=True)
     try:
         s.prepare()
         # the console's connection, in the metadata database (not the environment)

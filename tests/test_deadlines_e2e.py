@@ -78,7 +78,7 @@ def stack(pg_admin):
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "True",
         },
     )
-    s = Stack(home, env)
+    s = Stack(home, env, migrated=True)
     home.mkdir(parents=True, exist_ok=True)
     # the slow part of a start (a minute under load), before the clock starts
     s.prepare()

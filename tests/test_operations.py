@@ -100,7 +100,7 @@ def stack(pg_admin):
             "OTEL_BSP_SCHEDULE_DELAY": "500",
         },
     )
-    s = Stack(home, env).start()
+    s = Stack(home, env, migrated=True).start()
     try:
         s.wait_for_dags([NEWS, CATALOG])
         s.news = helpers.NewsDB(news_dsn, psycopg.connect(news_dsn, autocommit=True))

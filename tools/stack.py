@@ -33,18 +33,10 @@ def stack_env(
     home: Path, metadata_dsn: str, port: int, extra: dict[str, str] | None = None
 ) -> dict[str, str]:
     """Environment of every Airflow process of the stack."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    d = conninfo_to_dict(metadata_dsn)
-    auth = d.get("user", "postgres") + (f":{d['password']}" if d.get("password") else "")
-    hostpart = (
-        f"{d['host']}:{d.get('port', 5432)}" if not str(d.get("host", "")).startswith("/") else ""
-    )
-    query = f"?host={d['host']}" if not hostpart else ""
     env = {**os.environ, **devenv.airflow_env(home)}
     env.update(
         {
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://{auth}@{hostpart}/{d['dbname']}{query}",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": devenv.sqlalchemy_url(metadata_dsn),
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
             # no run from the schedule: a test triggers every run it needs, so that what it
@@ -74,9 +66,12 @@ class Stack:
 
     COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
 
-    def __init__(self, home: Path, env: dict[str, str]):
+    def __init__(self, home: Path, env: dict[str, str], migrated: bool = False):
+        """``migrated``: the metadata database is migrated, the pools imported (a copy from
+        :func:`tools.devenv.postgres_metadata`), and :meth:`prepare` leaves it as it is."""
         self.home = home
         self.env = env
+        self.migrated = migrated
         self.base = f"http://127.0.0.1:{env['AIRFLOW__API__PORT']}"
         self.procs: dict[str, Proc] = {}
 
@@ -90,10 +85,12 @@ class Stack:
         return self.launch(timeout)
 
     def prepare(self) -> Stack:
-        """Migrate the metadata database and import the pools (slow CLI steps)."""
+        """Migrate the metadata database and import the pools (slow CLI steps), unless it is
+        ``migrated`` already."""
         self.home.mkdir(parents=True, exist_ok=True)
-        self.cli("db", "migrate")
-        self.cli("pools", "import", str(devenv.REPO / "pools.json"))
+        if not self.migrated:
+            self.cli("db", "migrate")
+            self.cli("pools", "import", str(devenv.REPO / "pools.json"))
         return self
 
     def launch(self, timeout: float = 120) -> Stack:
@@ -321,8 +318,8 @@ class CeleryStack(Stack):
     """A :class:`Stack` on the CeleryExecutor (its environment from :func:`celery_settings`)
     plus Celery workers, each an ``airflow celery worker`` process of its own."""
 
-    def __init__(self, home: Path, env: dict[str, str]):
-        super().__init__(home, env)
+    def __init__(self, home: Path, env: dict[str, str], migrated: bool = False):
+        super().__init__(home, env, migrated)
         self.workers: dict[str, Proc] = {}
 
     def node(self, name: str) -> str:
@@ -380,8 +377,10 @@ class LoginStack(Stack):
     """The stack behind the simple auth manager's login (see :func:`login_stack`): REST calls
     carry the user's token."""
 
-    def __init__(self, home: Path, env: dict[str, str], username: str, password: str):
-        super().__init__(home, env)
+    def __init__(
+        self, home: Path, env: dict[str, str], username: str, password: str, migrated: bool = False
+    ):
+        super().__init__(home, env, migrated)
         self.username, self.password = username, password
         self._token: str | None = None
 
@@ -410,7 +409,12 @@ class LoginStack(Stack):
 
 
 def login_stack(
-    home: Path, metadata_dsn: str, env: dict[str, str], username: str = "admin", cls=LoginStack
+    home: Path,
+    metadata_dsn: str,
+    env: dict[str, str],
+    username: str = "admin",
+    cls=LoginStack,
+    migrated: bool = False,
 ) -> LoginStack:
     """A stack (a ``cls``) whose UI asks for a login: ``username`` (role admin) with a password
     generated for this run, written to the simple auth manager's passwords file before the
@@ -426,4 +430,4 @@ def login_stack(
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
     }
     full = stack_env(home, metadata_dsn, free_port(), {**login, **env})
-    return cls(home, full, username, password)
+    return cls(home, full, username, password, migrated)
