@@ -72,6 +72,7 @@ def _logs(capfd, caplog) -> str:
 # --- 1. concurrent load: news -------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_news_full_sweep_under_hot_path_load(news_db):
     """A FullSweep (batches of 50 over 3000 posts) while the news hot path creates and hides
     comments as fast as it can on 6 connections (pgbench), three quarters of them on 8 hot posts.

@@ -383,6 +383,7 @@ def test_a_run_with_another_formula_never_adopts_the_nightly_pass_of_its_date(ca
 # --- one bad row never turns every night red ---------------------------------------------------
 
 
+@pytest.mark.long
 def test_a_post_that_cannot_be_written_is_isolated_and_every_night_stays_green(news_db):
     """A domain trigger rejects the update of one drifted post. The batch writes the others,
     the post is recorded with its error in pin_nightly.item_error and counted in item_errors,
