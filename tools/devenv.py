@@ -127,7 +127,7 @@ def _template_key() -> str:
     ).hexdigest()[:12]
 
 
-def _prepare_metadata(env: dict[str, str]) -> None:
+def prepare_metadata(env: dict[str, str]) -> None:
     """Migrate the metadata database of ``env`` and import the pools of ``pools.json``."""
     airflow_cli("db", "migrate", env=env)
     airflow_cli("pools", "import", str(REPO / "pools.json"), env=env)
@@ -152,7 +152,7 @@ def _metadata_template() -> Path:
         if not db.exists():  # built aside and renamed: a template that exists is complete
             staging = home.with_name(home.name + ".tmp")
             shutil.rmtree(staging, ignore_errors=True)
-            _prepare_metadata(airflow_env(staging))
+            prepare_metadata(airflow_env(staging))
             shutil.rmtree(home, ignore_errors=True)
             staging.rename(home)
     return db
@@ -187,7 +187,7 @@ def postgres_metadata(dbname: str) -> str:
             staging = recreate_database(f"{template}_tmp")
             home = REPO / ".airflow" / ".metadata-pg"
             url = sqlalchemy_url(staging)
-            _prepare_metadata({**airflow_env(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": url})
+            prepare_metadata({**airflow_env(home), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": url})
             with psycopg.connect(admin_dsn(), autocommit=True) as conn:
                 conn.execute(f'ALTER DATABASE "{template}_tmp" RENAME TO "{template}"')
     return recreate_database(dbname, template=template)

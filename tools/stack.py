@@ -89,8 +89,7 @@ class Stack:
         ``migrated`` already."""
         self.home.mkdir(parents=True, exist_ok=True)
         if not self.migrated:
-            self.cli("db", "migrate")
-            self.cli("pools", "import", str(devenv.REPO / "pools.json"))
+            devenv.prepare_metadata(self.env)
         return self
 
     def launch(self, timeout: float = 120) -> Stack:
