@@ -133,6 +133,21 @@ def prepare_metadata(env: dict[str, str]) -> None:
     airflow_cli("pools", "import", str(REPO / "pools.json"), env=env)
 
 
+def write_airflow_cfg(env: dict[str, str]) -> None:
+    """Write the default ``airflow.cfg`` of the home of ``env`` unless it has one, as the
+    ``airflow`` command does before any subcommand. Its generated secrets (the JWT secret that
+    signs the task tokens among them) must be the same in every component: components started
+    at once in a home without one would each write and use secrets of their own."""
+    code = "import airflow.configuration as c; c.write_default_airflow_configuration_if_needed()"
+    subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
 def _template_lock():
     import fasteners
 

@@ -85,10 +85,13 @@ class Stack:
         return self.launch(timeout)
 
     def prepare(self) -> Stack:
-        """Migrate the metadata database and import the pools (slow CLI steps), unless it is
-        ``migrated`` already."""
+        """Migrate the metadata database and import the pools (slow CLI steps; the first
+        writes the home's ``airflow.cfg``), or, when it is ``migrated`` already, write the
+        ``airflow.cfg`` only (see :func:`tools.devenv.write_airflow_cfg`)."""
         self.home.mkdir(parents=True, exist_ok=True)
-        if not self.migrated:
+        if self.migrated:
+            devenv.write_airflow_cfg(self.env)
+        else:
             devenv.prepare_metadata(self.env)
         return self
 
