@@ -512,6 +512,28 @@ def remove_gate(db: NewsDB, table: str) -> None:
     db.q(f"DROP TRIGGER IF EXISTS pin_test_gate ON {table}")
 
 
+@contextlib.contextmanager
+def held_at_gate(db: NewsDB, table: str, row: str, hold: str = "5min", **connect: Any):
+    """Within the block, a writer of ``table``'s row ``row`` waits at the gate (see
+    ``install_gate``) for the advisory lock a connection of the test holds. The block gets
+    ``release``, which frees the writer and removes the gate; leaving the block calls it if the
+    block did not, whatever the block raised."""
+    install_gate(db, table, row, hold=hold)
+    gate = psycopg.connect(db.dsn, autocommit=True, **connect)
+    gate.execute("SELECT pg_advisory_lock(%s)", (ADVISORY_KEY,))
+
+    def release() -> None:
+        if not gate.closed:
+            gate.execute("SELECT pg_advisory_unlock(%s)", (ADVISORY_KEY,))
+            gate.close()
+            remove_gate(db, table)
+
+    try:
+        yield release
+    finally:
+        release()
+
+
 def gate_waiter(db: NewsDB, key: int = ADVISORY_KEY) -> int | None:
     """Pid of a backend waiting for the advisory lock ``key`` (a batch held at the gate)."""
     rows = db.q(

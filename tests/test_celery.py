@@ -214,28 +214,23 @@ def test_a_full_sweep_runs_its_ranges_on_both_workers_two_at_a_time(stack):
     db = stack.news
     label_test_connection(db)
     ids, drift = news_posts(db, 4000, seed=1)
-    helpers.install_gate(db, "news.posts", next(p for p in ids[500:] if p in drift), hold="5min")
-    gate = psycopg.connect(db.dsn, autocommit=True, application_name="pin-test")
-    gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
-    with JobConnections(db.dsn) as jc:
-        try:
-            run_id = stack.trigger(NEWS, {"scope": "FullSweep", "max_ranges": 4, "batch_size": 40})
-            helpers.wait_for(
-                lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
-            )
-            helpers.wait_for(
-                lambda: any(
-                    t["state"] == "running" and t["map_index"] > 0
-                    for t in mapped_tis(stack, NEWS, run_id, "reconcile_range")
-                ),
-                timeout=60,
-                poll=0.2,
-                what="a second range running",
-            )
-        finally:
-            gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
-            gate.close()
-            helpers.remove_gate(db, "news.posts")
+    gated = next(p for p in ids[500:] if p in drift)
+    gate = helpers.held_at_gate(db, "news.posts", gated, application_name="pin-test")
+    with gate as release, JobConnections(db.dsn) as jc:
+        run_id = stack.trigger(NEWS, {"scope": "FullSweep", "max_ranges": 4, "batch_size": 40})
+        helpers.wait_for(
+            lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
+        )
+        helpers.wait_for(
+            lambda: any(
+                t["state"] == "running" and t["map_index"] > 0
+                for t in mapped_tis(stack, NEWS, run_id, "reconcile_range")
+            ),
+            timeout=60,
+            poll=0.2,
+            what="a second range running",
+        )
+        release()
         stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT, expect="success")
     tis = mapped_tis(stack, NEWS, run_id, "reconcile_range")
     assert [t["state"] for t in tis] == ["success"] * 4
@@ -267,10 +262,7 @@ def test_a_worker_killed_mid_range_is_retried_on_the_other_worker_from_its_curso
     batch = 25
     # a drifted post 60 % into range 0 (posts 0..499): batches before it are committed
     gated = next(p for p in ids[300:] if p in drift)
-    helpers.install_gate(db, "news.posts", gated, hold="5min")
-    gate = psycopg.connect(db.dsn, autocommit=True)
-    gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
-    try:
+    with helpers.held_at_gate(db, "news.posts", gated):
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "max_ranges": 4, "batch_size": batch})
         helpers.wait_for(
             lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
@@ -284,10 +276,6 @@ def test_a_worker_killed_mid_range_is_retried_on_the_other_worker_from_its_curso
             sweep,
         )[0]
         kill(stack, victim, victim_ti)
-    finally:
-        gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
-        gate.close()
-        helpers.remove_gate(db, "news.posts")
     # mid-range: some batches committed, the held one not
     assert cursor is not None and ids[0] <= cursor < gated
     assert done_rows == ids.index(cursor) + 1 and done_batches == done_rows // batch
@@ -394,34 +382,26 @@ def test_a_popularity_run_survives_a_killed_worker(stack):
     gated = next(
         c for c in po[180:] if helpers.reference_popularity_score(history[c], today, 30, 7) > 0
     )
-    helpers.install_gate(db, "catalog.property_object_cards", gated, hold="5min")
-    gate = psycopg.connect(db.dsn, autocommit=True)
-    gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
-    with JobConnections(db.dsn) as jc:
-        try:
-            run_id = stack.trigger(CATALOG, {"max_ranges": 4, "batch_size": batch})
-            helpers.wait_for(
-                lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
-            )
-            sweep = db.one(
-                "SELECT sweep_id FROM pin_nightly.sweep WHERE run_id = %s AND family = "
-                "'PropertyObject'",
-                run_id,
-            )
-            victim_ti = wait_until_none_queued(
-                stack, CATALOG, run_id, "recompute_property_objects", 0
-            )
-            victim = nodes[victim_ti["hostname"]]
-            cursor, done_rows = db.q(
-                "SELECT cursor_id::text, rows_processed FROM pin_nightly.sweep_range "
-                "WHERE sweep_id = %s AND range_no = 0",
-                sweep,
-            )[0]
-            kill(stack, victim, victim_ti)
-        finally:
-            gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
-            gate.close()
-            helpers.remove_gate(db, "catalog.property_object_cards")
+    gate = helpers.held_at_gate(db, "catalog.property_object_cards", gated)
+    with gate as release, JobConnections(db.dsn) as jc:
+        run_id = stack.trigger(CATALOG, {"max_ranges": 4, "batch_size": batch})
+        helpers.wait_for(
+            lambda: helpers.gate_waiter(db), timeout=120, what="range 0 held at the gate"
+        )
+        sweep = db.one(
+            "SELECT sweep_id FROM pin_nightly.sweep WHERE run_id = %s AND family = "
+            "'PropertyObject'",
+            run_id,
+        )
+        victim_ti = wait_until_none_queued(stack, CATALOG, run_id, "recompute_property_objects", 0)
+        victim = nodes[victim_ti["hostname"]]
+        cursor, done_rows = db.q(
+            "SELECT cursor_id::text, rows_processed FROM pin_nightly.sweep_range "
+            "WHERE sweep_id = %s AND range_no = 0",
+            sweep,
+        )[0]
+        kill(stack, victim, victim_ti)
+        release()
         assert cursor is not None and po[0] <= cursor < gated
         assert done_rows == po.index(cursor) + 1
         stack.wait_run(CATALOG, run_id, timeout=RUN_TIMEOUT, expect="success")

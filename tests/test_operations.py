@@ -349,10 +349,7 @@ def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
     db = stack.news
     db.q("TRUNCATE news.posts, news.comments")
     ids = db.posts(40, drift_every=1)
-    helpers.install_gate(db, "news.posts", ids[27], hold="5min")
-    gate = psycopg.connect(db.dsn, autocommit=True)
-    gate.execute("SELECT pg_advisory_lock(%s)", (helpers.ADVISORY_KEY,))
-    try:
+    with helpers.held_at_gate(db, "news.posts", ids[27]):
         run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 4, "max_ranges": 2})
         helpers.wait_for(
             lambda: helpers.gate_waiter(db), timeout=120, what="a batch held at the gate"
@@ -372,10 +369,6 @@ def test_a_worker_killed_mid_batch_then_clear_failed_finishes_the_run(stack):
         assert victims, f"no task process titled with {running[0]}"
         for p in victims:
             os.kill(p.pid, signal.SIGKILL)
-    finally:
-        gate.execute("SELECT pg_advisory_unlock(%s)", (helpers.ADVISORY_KEY,))
-        gate.close()
-        helpers.remove_gate(db, "news.posts")
     stack.wait_run(NEWS, run_id, expect="failed")
     assert db.drifted_posts() > 0
     stack.request(
