@@ -63,9 +63,9 @@ def _database(name: str, env_var: str, schema_fn):
 
 def _fresh(cls, name: str, env_var: str, schema_fn):
     """A fixture's fresh database (see :func:`_database`) as a ``cls`` helper, closed after."""
-    dsn, conn = _database(name, env_var, schema_fn)
-    yield cls(dsn, conn)
-    conn.close()
+    db = cls(*_database(name, env_var, schema_fn))
+    yield db
+    db.conn.close()  # the one it has then (a test may reconnect it)
 
 
 @pytest.fixture

@@ -14,15 +14,23 @@ runs the tasks in this process): ``before`` raises instead of calling it, ``afte
 it has done its work (the task dies between its last write and its return), ``mid_batch``
 raises inside the second batch's transaction (as a worker killed mid-batch: the batch is rolled
 back; a real SIGKILL is tests/test_reliability.py's).
+
+A failure point's run fails once per worker: its recoveries start from a copy of the job's
+database and of Airflow's metadata database as that run left them (see FailedRuns).
 """
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
+import psycopg
 import pytest
 
 from tests.helpers import failed_tasks, inject, night, reference_popularity_score
+from tools import devenv
 from tools.rundag import clear_and_resume, run_dag
 
 NEWS = "news_comment_reconcile"
@@ -90,6 +98,80 @@ def fail_once(
     return failed
 
 
+class FailedRuns:
+    """The failed run of each failure point, made once and kept for the point's other
+    recoveries (the cells of a point share an xdist group, hence a worker): a copy of the job's
+    database (a PostgreSQL database copied from it) and of Airflow's metadata database (SQLite,
+    copied with its backup API), both taken right after the run failed, with what the test
+    made (its data, the failed run's outcome). Restored, both are as that run left them; the
+    fault injected then has fired and is gone, as in a cell that made the run itself."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[str, str], tuple[str, sqlite3.Connection, Any]] = {}
+
+    def get(self, db, key: tuple[str, str], make: Callable[[], Any]) -> Any:
+        if key in self.kept:
+            copy, metadata, made = self.kept[key]
+            _copy_database(copy, db)
+            _copy_metadata(metadata, into_airflow=True)
+            return made
+        made = make()
+        copy = f"{db.conn.info.dbname}_f{len(self.kept)}"
+        metadata = sqlite3.connect(":memory:", check_same_thread=False)
+        _copy_database(db.conn.info.dbname, db, copy)
+        _copy_metadata(metadata, into_airflow=False)
+        self.kept[key] = (copy, metadata, made)
+        return made
+
+    def drop(self) -> None:
+        with psycopg.connect(devenv.admin_dsn(), autocommit=True) as admin:
+            for copy, metadata, _ in self.kept.values():
+                admin.execute(f'DROP DATABASE IF EXISTS "{copy}" WITH (FORCE)')
+                metadata.close()
+
+
+def _copy_database(source: str, db, target: str | None = None) -> None:
+    """Copy database ``source`` to ``target`` (default: replace ``db``'s database with it);
+    ``db``'s connection is closed for the copy (a template may have no session) and reopened."""
+    name = db.conn.info.dbname
+    db.conn.close()
+    with psycopg.connect(devenv.admin_dsn(), autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            (source,),
+        )
+        if target is None:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{target or name}" TEMPLATE "{source}"')
+    db.conn = psycopg.connect(db.dsn, autocommit=True)
+
+
+def _copy_metadata(copy: sqlite3.Connection, into_airflow: bool) -> None:
+    """Copy Airflow's metadata database to ``copy``, or back from it (its pooled connections
+    are dropped, and the next session reads the copy)."""
+    from airflow import settings
+
+    raw = settings.engine.raw_connection()
+    try:
+        live = raw.driver_connection
+        if into_airflow:
+            copy.backup(live)
+        else:
+            live.backup(copy)
+    finally:
+        raw.close()
+    if into_airflow:
+        settings.engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def failed_runs() -> Iterator[FailedRuns]:
+    runs = FailedRuns()
+    yield runs
+    runs.drop()
+
+
 RECOVERIES = [
     "clear_failed",
     "clear_task",
@@ -101,20 +183,23 @@ RECOVERIES = [
 ]
 
 
-def matrix(classes: dict[str, list[str]]) -> list:
+def matrix(dag_id: str, classes: dict[str, list[str]]) -> list:
     """The fault matrix's cells, (point, recovery). Failure points fall into classes that
     leave the database in the same state (nothing written; a sweep with ranges undone; ranges
     done but not summarized; the lease not released): ``make test`` runs every other recovery
     of each class (the even ones on the first and third class, the odd ones on the others),
     the class's points taking turns, so that every point is run and every recovery on two
-    classes; the other cells are marked ``exhaustive`` (``make test-all``, all of them)."""
+    classes; the other cells are marked ``exhaustive`` (``make test-all``, all of them). The
+    cells of a point run on one worker (they share its failed run, see FailedRuns)."""
     cells = []
     for k, points in enumerate(classes.values()):
         chosen = [r for i, r in enumerate(RECOVERIES) if i % 2 == k % 2]
         for recovery in RECOVERIES:
             turn = chosen.index(recovery) % len(points) if recovery in chosen else None
             for j, point in enumerate(points):
-                marks = () if j == turn else (pytest.mark.exhaustive,)
+                marks = [pytest.mark.xdist_group(f"{dag_id}-{point}")]
+                if j != turn:
+                    marks.append(pytest.mark.exhaustive)
                 cells.append(pytest.param(point, recovery, marks=marks, id=f"{point}-{recovery}"))
     return cells
 
@@ -313,10 +398,14 @@ def news_data(db):
     return quiet, recent, drift
 
 
-@pytest.mark.parametrize("point,recovery", matrix(NEWS_CLASSES))
-def test_news_fault_matrix(news_db, monkeypatch, point, recovery):
-    quiet, recent, drift = news_data(news_db)
-    failed = fail_once(monkeypatch, NEWS, point, *NEWS_POINTS[point], None, NEWS_CONF, SATURDAY)
+@pytest.mark.parametrize("point,recovery", matrix(NEWS, NEWS_CLASSES))
+def test_news_fault_matrix(news_db, monkeypatch, failed_runs, point, recovery):
+    def failed_run():
+        data = news_data(news_db)
+        how = NEWS_POINTS[point]
+        return data, fail_once(monkeypatch, NEWS, point, *how, None, NEWS_CONF, SATURDAY)
+
+    (quiet, recent, drift), failed = failed_runs.get(news_db, (NEWS, point), failed_run)
     targets = sorted(drift)[:2]
     manual = {
         "dry_run": {"scope": "FullSweep", "dry_run": True},
@@ -435,10 +524,14 @@ def catalog_invariants(
     state_invariants(db, r, expect_open)
 
 
-@pytest.mark.parametrize("point,recovery", matrix(CATALOG_CLASSES))
-def test_catalog_fault_matrix(catalog_db, monkeypatch, point, recovery):
-    cards = catalog_data(catalog_db)
-    failed = fail_once(monkeypatch, CATALOG, point, *CATALOG_POINTS[point], CATALOG_CONF, night(D))
+@pytest.mark.parametrize("point,recovery", matrix(CATALOG, CATALOG_CLASSES))
+def test_catalog_fault_matrix(catalog_db, monkeypatch, failed_runs, point, recovery):
+    def failed_run():
+        data = catalog_data(catalog_db)
+        how = CATALOG_POINTS[point]
+        return data, fail_once(monkeypatch, CATALOG, point, *how, CATALOG_CONF, night(D))
+
+    cards, failed = failed_runs.get(catalog_db, (CATALOG, point), failed_run)
     targets = sorted(cards)[:3]
     later = night(D + timedelta(days=1))
     manual = {
