@@ -6,7 +6,7 @@ DEPS   := requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 STAMP  := $(VENV)/.installed-$(shell cat $(DEPS) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all soak mutants lint airflow bench bench-growth constraints clean stop
+.PHONY: setup demo test test-all test-stack test-exhaustive soak mutants lint airflow bench bench-growth constraints clean stop
 
 # The development venv: runtime and development dependencies pinned by constraints.txt, and
 # the job package (plugins/pin_nightly) installed editable. pip installs uv (pinned there too),
@@ -28,10 +28,11 @@ demo: setup
 # make test: everything but the real-stack modules, the exhaustive fault matrix and the long
 # system-level sequences, on TEST_WORKERS pytest-xdist workers (tests of one xdist_group share
 # a worker; the tests wait on PostgreSQL and on their slowed batches about as much as they
-# compute, so three keep two cores busy). make test-all adds them: make test's tests, the rest
-# of the fault matrix and the long sequences in one run on the workers (the long ones first),
-# then the stack modules on STACK_WORKERS, a module a worker (each starts several Airflow
-# processes of its own).
+# compute, so three keep two cores busy). make test-all adds them: make test's tests and the
+# long sequences in one run on the workers (the long ones first), then at once the stack
+# modules on STACK_WORKERS, a module a worker (each starts several Airflow processes of its
+# own, which mostly wait), and the rest of the fault matrix in one process beside them; each
+# of those two prints its report when it ends.
 TEST_WORKERS ?= 3
 STACK_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
@@ -39,8 +40,14 @@ test: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive and not long" $(PYTEST_ARGS)
 
 test-all: lint
-	$(BIN)/python -m pytest $(XDIST) -m "not stack" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive" $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-stack test-exhaustive
+
+test-stack:
 	$(BIN)/python -m pytest -n $(STACK_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
+
+test-exhaustive:
+	PIN_TEST_ID=$(PIN_TEST_ID)exhaustive $(BIN)/python -m pytest -n 0 -m "exhaustive and not stack" $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS
 # operations each, random (a failure is shrunk to a short sequence and printed with a blob that
