@@ -43,10 +43,10 @@ test-all: lint
 	$(BIN)/python -m pytest $(XDIST) -m "not stack and not exhaustive" $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-stack test-exhaustive
 
-test-stack:
+test-stack: setup
 	$(BIN)/python -m pytest -n $(STACK_WORKERS) --dist loadfile -m stack $(PYTEST_ARGS)
 
-test-exhaustive:
+test-exhaustive: setup
 	PIN_TEST_ID=$(PIN_TEST_ID)exhaustive $(BIN)/python -m pytest -n 0 -m "exhaustive and not stack" $(PYTEST_ARGS)
 
 # The model-based test of operation sequences, long: SOAK_EXAMPLES sequences of SOAK_STEPS

@@ -112,13 +112,13 @@ class FailedRuns:
     def get(self, db, key: tuple[str, str], make: Callable[[], Any]) -> Any:
         if key in self.kept:
             copy, metadata, made = self.kept[key]
-            _copy_database(copy, db)
+            _copy_database(db, copy, db.conn.info.dbname)
             _copy_metadata(metadata, into_airflow=True)
             return made
         made = make()
         copy = f"{db.conn.info.dbname}_f{len(self.kept)}"
         metadata = sqlite3.connect(":memory:", check_same_thread=False)
-        _copy_database(db.conn.info.dbname, db, copy)
+        _copy_database(db, db.conn.info.dbname, copy)
         _copy_metadata(metadata, into_airflow=False)
         self.kept[key] = (copy, metadata, made)
         return made
@@ -130,10 +130,9 @@ class FailedRuns:
                 metadata.close()
 
 
-def _copy_database(source: str, db, target: str | None = None) -> None:
-    """Copy database ``source`` to ``target`` (default: replace ``db``'s database with it);
-    ``db``'s connection is closed for the copy (a template may have no session) and reopened."""
-    name = db.conn.info.dbname
+def _copy_database(db, source: str, target: str) -> None:
+    """Make database ``target`` a copy of ``source`` (one of them ``db``'s); ``db``'s
+    connection is closed for the copy (a template may have no session) and reopened."""
     db.conn.close()
     with psycopg.connect(devenv.admin_dsn(), autocommit=True) as admin:
         admin.execute(
@@ -141,9 +140,7 @@ def _copy_database(source: str, db, target: str | None = None) -> None:
             "WHERE datname = %s AND pid <> pg_backend_pid()",
             (source,),
         )
-        if target is None:
-            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{target or name}" TEMPLATE "{source}"')
+    devenv.recreate_database(target, template=source)
     db.conn = psycopg.connect(db.dsn, autocommit=True)
 
 
