@@ -11,8 +11,9 @@ PYTEST_ARGS ?=
 # The development venv: runtime and development dependencies pinned by constraints.txt, and
 # the job package (plugins/pin_nightly) installed editable. pip installs uv (pinned there too),
 # uv the rest: it downloads in parallel, a fresh venv in about 30 s instead of two minutes.
-# uv reads its own settings, not pip's: a package mirror is UV_INDEX_URL.
-UV = $(BIN)/uv pip install --quiet --python $(BIN)/python
+# uv reads its own settings, not pip's: a package mirror is UV_INDEX_URL. It trusts the
+# system's certificate store, as pip does (a proxy's own CA installed there works for both).
+UV = $(BIN)/uv pip install --quiet --system-certs --python $(BIN)/python
 $(STAMP): $(DEPS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv -c constraints.txt
