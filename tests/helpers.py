@@ -6,6 +6,7 @@ import contextlib
 import functools
 import importlib
 import json
+import os
 import random
 import threading
 import time
@@ -18,6 +19,8 @@ from unittest import mock
 import psycopg
 import pytest
 
+from pin_nightly.db import sql
+from tools import devenv
 from tools.datagen import uuid7
 from tools.proc import wait_until
 
@@ -31,6 +34,33 @@ def new_id(at: datetime | None = None) -> str:
         _clock[0] += timedelta(milliseconds=1)
         at = _clock[0]
     return str(uuid7(at, _rnd))
+
+
+def set_clock(d: date | None, dbname: str | None = None) -> None:
+    """Run the nights that follow "as of" ``d`` on a job's test database (the catalog test
+    database unless ``dbname``), the documented way (docs/development.md): its
+    ``pin_nightly.today``, read by every session opened after it; None: the real date again."""
+    if dbname is None:
+        dbname = json.loads(os.environ["AIRFLOW_CONN_CATALOG_DB"])["schema"]
+    with psycopg.connect(devenv.dsn_for(dbname), autocommit=True) as conn:
+        if d is None:
+            conn.execute(f'ALTER DATABASE "{dbname}" RESET pin_nightly.today')
+        else:
+            conn.execute(f"ALTER DATABASE \"{dbname}\" SET pin_nightly.today = '{d.isoformat()}'")
+
+
+def run_night(dag_id: str, conf: dict | None, d: date, **kw: Any) -> dict[str, Any]:
+    """The scheduled run of night ``d`` (03:00 UTC), "as of" ``d``: the job's clock set to it."""
+    from tools.rundag import run_dag
+
+    set_clock(d, json.loads(os.environ[_CONN_ENV[dag_id]])["schema"])
+    return run_dag(dag_id, conf, logical_date=night(d), **kw)
+
+
+_CONN_ENV = {
+    "catalog_popularity_recompute": "AIRFLOW_CONN_CATALOG_DB",
+    "news_comment_reconcile": "AIRFLOW_CONN_NEWS_DB",
+}
 
 
 def night(d: date) -> datetime:
@@ -187,12 +217,12 @@ class NewsDB:
         )
         self.q(f"CREATE TRIGGER slow BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION slow()")
 
-    def reject_all_updates(self, table: str) -> None:
-        """A CHECK-like trigger rejects every UPDATE of ``table`` (SQLSTATE check_violation);
-        see allow_updates."""
+    def reject_all_updates(self, table: str, errcode: str = "check_violation") -> None:
+        """A CHECK-like trigger rejects every UPDATE of ``table`` (by default SQLSTATE
+        check_violation); see allow_updates."""
         self.q(
             "CREATE OR REPLACE FUNCTION public.reject_all() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RAISE EXCEPTION 'frozen (simulated)' USING ERRCODE = 'check_violation'; "
+            f"$$ BEGIN RAISE EXCEPTION 'frozen (simulated)' USING ERRCODE = '{errcode}'; "
             "END $$"
         )
         self.q(
@@ -270,8 +300,18 @@ class NewsDB:
         )
 
     def today(self):
-        """The database's current date in UTC: the as_of_date of a manual run started now."""
-        return self.one("SELECT (now() AT TIME ZONE 'UTC')::date")
+        """The job's clock (include/sql/common/today.sql): the database's current date in UTC,
+        or the date :meth:`set_today` set."""
+        return self.one(sql("common/clock"))
+
+    def set_today(self, d: date | None) -> None:
+        """Run the nights that follow "as of" ``d`` (None: the real date again): the job's
+        clock of this database (:func:`set_clock`), and of this helper's own session."""
+        set_clock(d, self.conn.info.dbname)
+        if d is None:
+            self.q("RESET pin_nightly.today")
+        else:
+            self.q("SELECT set_config('pin_nightly.today', %s, false)", d.isoformat())
 
     def snapshot(self) -> list[tuple]:
         return self.q("SELECT id, status, comments_count, updated_at FROM news.posts ORDER BY id")

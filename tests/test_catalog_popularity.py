@@ -14,17 +14,16 @@ from decimal import Decimal
 import psycopg
 import pytest
 
-from tests.helpers import SlowVacuum, assert_ok, night, when
+from tests.helpers import SlowVacuum, assert_ok, night, run_night, set_clock, when
 from tests.helpers import reference_popularity_score as reference_score
 from tools import pgbench
-from tools.rundag import run_dag
 
 DAG = "catalog_popularity_recompute"
 D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
 
 
 def run(conf=None, as_of: date = D, **kw):
-    return run_dag(DAG, conf, logical_date=night(as_of), **kw)
+    return run_night(DAG, conf, as_of, **kw)
 
 
 def test_empty_catalog_is_a_noop_success(catalog_db):
@@ -224,6 +223,7 @@ def _retention_lease(conf: dict, run_id: str) -> tuple[dict, dict]:
     """The options of a run of D with ``conf`` and the lease it took (as its XCom)."""
     from pin_nightly import catalog, jobs
 
+    set_clock(D)  # night D, as of D
     opts = catalog.validate_options(conf, night(D), run_id)
     lease = jobs.acquire_lease(catalog.JOB, opts, run_id)
     assert lease["acquired"], lease
@@ -462,6 +462,7 @@ def _cards_and_sweep(catalog_db, n: int, batch_size: int):
     from pin_nightly import lease as leases
     from pin_nightly.db import connection
 
+    catalog_db.set_today(D)
     ids = [catalog_db.card(views=i) for i in range(n)]
     for i, cid in enumerate(ids):
         catalog_db.seed_snapshot(cid, D - timedelta(days=1), max(0, i - 3))

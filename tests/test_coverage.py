@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
@@ -19,6 +20,7 @@ from tests.helpers import (
     inject,
     night,
     reference_popularity_score,
+    run_night,
 )
 from tools.rundag import clear_and_resume, run_dag
 
@@ -98,14 +100,14 @@ def test_every_range_cut_at_once_goes_on_from_its_own_cursor(catalog_db, monkeyp
     conf = {"batch_size": 2, "max_ranges": 4}
     with monkeypatch.context() as mp:
         fail_each_range_at(mp, 3)  # 2 batches of 4 per range: half of each range
-        first = run_dag(CATALOG, conf, logical_date=night(d))
+        first = run_night(CATALOG, conf, d)
     assert first["state"] == "failed"
     reached = {c for c, n in newest_snapshots(db, cards).items() if n == d}
     assert len(reached) == 16
     db.q("UPDATE catalog.property_object_cards SET popularity_views = popularity_views + 5")
     # tonight's budget covers 8 batches: exactly the 16 cards the cut night left
     seen = graceful_stop_after(monkeypatch, db, 8, "PropertyObject")
-    s = assert_ok(run_dag(CATALOG, conf, logical_date=night(d + timedelta(days=1))))
+    s = assert_ok(run_night(CATALOG, conf, d + timedelta(days=1)))
     assert seen["batches"] == 8 and s["status"] == "backlog_remaining"
     tonight = {c for c, n in newest_snapshots(db, cards).items() if n == d + timedelta(days=1)}
     assert tonight == set(cards) - reached, "the tails of the cut ranges went first"
@@ -129,7 +131,7 @@ def test_a_pass_cut_inside_one_range_every_night_still_reaches_the_next_ranges(
         db.q("UPDATE catalog.property_object_cards SET popularity_views = popularity_views + 3")
         with monkeypatch.context() as mp:
             graceful_stop_after(mp, db, 4, "PropertyObject")
-            assert_ok(run_dag(CATALOG, conf, logical_date=night(d)))
+            assert_ok(run_night(CATALOG, conf, d))
         nights.append(d)
         assert_exact(db, cards, d)
     # 8 cards a night: every card within every 3 consecutive nights
@@ -161,7 +163,7 @@ def test_a_graceful_stop_in_the_first_pass_every_night_does_not_starve_the_secon
             db.q(f"UPDATE {table} SET popularity_views = popularity_views + 2")
         with monkeypatch.context() as mp:
             graceful_stop_after(mp, db, 2, "PropertyObject")  # 4 of the 8 cards
-            r = run_dag(CATALOG, conf, logical_date=night(d))
+            r = run_night(CATALOG, conf, d)
         assert_ok(r)
         first = db.one(
             "SELECT family FROM pin_nightly.sweep WHERE scope LIKE %s ORDER BY sweep_id LIMIT 1",
@@ -191,11 +193,11 @@ def test_retention_deletes_the_oldest_night_when_the_passes_use_the_whole_budget
         db.seed_snapshot(card, d - timedelta(days=back), 100 - back)
     with monkeypatch.context() as mp:
         graceful_stop_after(mp, db, 1)
-        s = assert_ok(run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d)))
+        s = assert_ok(run_night(CATALOG, {"batch_size": 5}, d))
     assert s["snapshots_pruned"] == 1
     kept = [k for k, _ in db.snapshots(card)]
     assert min(kept) == d - timedelta(days=34) and len(kept) == 35  # 34 seeded + tonight's
-    s = assert_ok(run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d)))
+    s = assert_ok(run_night(CATALOG, {"batch_size": 5}, d))
     assert s["snapshots_pruned"] == 2  # with time left, everything past the horizon
     assert min(k for k, _ in db.snapshots(card)) == d - timedelta(days=32)
 
@@ -215,11 +217,11 @@ def test_a_late_clear_of_an_old_range_whose_sweep_is_still_open_writes_nothing(
     conf = {"batch_size": 1, "max_ranges": 1}
     with monkeypatch.context() as mp:
         inject(mp, "pin_nightly.catalog.make_batch", "mid_batch", "PropertyObject")
-        night_d = run_dag(CATALOG, conf, logical_date=night(d))
+        night_d = run_night(CATALOG, conf, d)
     assert night_d["tasks"]["recompute_property_objects[0]"] == "failed", night_d["tasks"]
     with monkeypatch.context() as mp:
         inject(mp, "pin_nightly.catalog.make_batch", "mid_batch", "Project")
-        nxt = run_dag(CATALOG, conf, logical_date=night(d + timedelta(days=1)))
+        nxt = run_night(CATALOG, conf, d + timedelta(days=1))
     assert nxt["tasks"]["recompute_property_objects[0]"] == "failed", nxt["tasks"]
     assert nxt["tasks"]["plan_projects"] == "upstream_failed", nxt["tasks"]
     scope = f"PropertyObject@{d}"
@@ -235,22 +237,26 @@ def test_a_late_clear_of_an_old_range_whose_sweep_is_still_open_writes_nothing(
     assert r["summary"]["status"].startswith("nothing written: superseded by the run"), r
 
 
-def test_a_backfill_of_missed_nights_is_refused_and_tonight_carries_the_growth(catalog_db):
-    """Nights D-3 to D-1 were missed (newest snapshot D-4). A backfill of them would stamp
-    today's counters as D-3's snapshots (four days of growth on one aged night, then zero
-    deltas): D-3 and D-2 are refused before writing, saying why; yesterday's run goes on, and
-    a re-run of a stored date too."""
+def test_a_catch_up_of_missed_nights_is_refused_whatever_its_run_type(
+    catalog_db,
+):
+    """Nights D-3 to D-1 were missed (newest snapshot D-4). A run of any of them started today
+    would stamp today's counters as that night's snapshots (four days of growth on one aged
+    night, then zero deltas): a backfill, a manual run with the night as its logical date or a
+    re-run of a stored night, each is refused before writing, saying why; yesterday's run goes
+    on, and tonight's run carries the whole gap's growth."""
     db = catalog_db
     today = db.today()
     card = db.card(views=500)
     db.seed_snapshot(card, today - timedelta(days=4), 100)
-    for back in (3, 2):
-        day = today - timedelta(days=back)
-        r = run_dag(
-            CATALOG, {}, logical_date=night(day), run_id=f"backfill__{night(day).isoformat()}"
-        )
-        assert r["state"] == "failed" and r["tasks"]["validate_options"] == "failed", r
-        assert db.snapshots(card) == [(today - timedelta(days=4), 100)]
+    for back in (4, 3, 2):  # 4: a stored night
+        day = night(today - timedelta(days=back))
+        for run_id in (f"backfill__{day.isoformat()}", None):
+            r = run_dag(CATALOG, {}, logical_date=day, run_id=run_id)
+            assert r["state"] == "failed" and r["tasks"]["validate_options"] == "failed", r
+            assert db.snapshots(card) == [(today - timedelta(days=4), 100)]
+    # refused before any step, with its own message on a fresh install (no job table yet)
+    assert db.one("SELECT to_regnamespace('pin_nightly') IS NULL")
     yesterday = today - timedelta(days=1)
     s = assert_ok(
         run_dag(
@@ -261,11 +267,8 @@ def test_a_backfill_of_missed_nights_is_refused_and_tonight_carries_the_growth(c
         )
     )
     assert s["status"] == "success" and (yesterday, 500) in db.snapshots(card)
-    # a scheduled night of a stored date (a re-run) is not a backfill's new snapshot
-    old = today - timedelta(days=4)
-    r = run_dag(CATALOG, {}, logical_date=night(old), run_id=f"backfill__{night(old).isoformat()}")
-    assert r["state"] == "success", r["tasks"]
-    assert r["summary"]["status"].startswith("nothing written"), r["summary"]
+    # the whole gap's growth lands on the first night after it: 400 at age 0
+    assert db.score(card) == Decimal("400.0000")
 
 
 def test_a_news_backfill_before_yesterday_is_refused(news_db):

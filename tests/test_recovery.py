@@ -306,6 +306,7 @@ def test_catalog_growth_across_a_missed_night_at_the_window_edge_is_scored(catal
     card = catalog_db.card(views=200)
     catalog_db.seed_snapshot(card, D - timedelta(days=31), 100)
     catalog_db.seed_snapshot(card, D - timedelta(days=29), 200)  # D-30 missed
+    catalog_db.set_today(D)
     s = run_dag(CATALOG, {}, logical_date=night(D), run_after=night(D))["summary"]
     assert s["status"] == "success"
     # the growth of 100 belongs to night D-29, inside the window: 100 * 2^(-29/7)
@@ -317,6 +318,7 @@ def test_catalog_a_manual_run_with_a_small_window_keeps_the_nightly_history(cata
     history = {D - timedelta(days=age): 1000 - 20 * age for age in range(40, 0, -1)}
     for d, v in history.items():
         catalog_db.seed_snapshot(card, d, v)
+    catalog_db.set_today(D)
     s = run_dag(CATALOG, {"window_days": 4}, logical_date=night(D), run_after=night(D))["summary"]
     assert s["status"] == "success"
     kept = [d for d, _ in catalog_db.snapshots(card)]
@@ -324,6 +326,7 @@ def test_catalog_a_manual_run_with_a_small_window_keeps_the_nightly_history(cata
     assert s["snapshots_pruned"] == 40 - (W + 2)
     catalog_db.set_views(card, 1050)
     nxt = D + timedelta(days=1)
+    catalog_db.set_today(nxt)
     assert run_dag(CATALOG, {}, logical_date=night(nxt), run_after=night(nxt))["state"] == "success"
     full = {**history, D: 1000, nxt: 1050}
     assert catalog_db.score(card) == reference_popularity_score(full, nxt, W, H)
@@ -523,12 +526,17 @@ def catalog_invariants(
 
 @pytest.mark.parametrize("point,recovery", matrix(CATALOG, CATALOG_CLASSES))
 def test_catalog_fault_matrix(catalog_db, monkeypatch, failed_runs, point, recovery):
+    # the failed night D, and its recoveries, happen on day D + 1 (the job's clock: D is
+    # yesterday's night; a copy of the database does not keep the setting)
+    catalog_db.set_today(D + timedelta(days=1))
+
     def failed_run():
         data = catalog_data(catalog_db)
         how = CATALOG_POINTS[point]
         return data, fail_once(monkeypatch, CATALOG, point, *how, CATALOG_CONF, night(D))
 
     cards, failed = failed_runs.get(catalog_db, (CATALOG, point), failed_run)
+    catalog_db.set_today(D + timedelta(days=1))
     targets = sorted(cards)[:3]
     later = night(D + timedelta(days=1))
     manual = {

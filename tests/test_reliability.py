@@ -37,10 +37,10 @@ from tests.helpers import (
     install_gate,
     new_id,
     news_full_sweep_range,
-    night,
     post_offsets,
     reference_popularity_score,
     remove_gate,
+    run_night,
     wait_for,
     when,
 )
@@ -224,7 +224,7 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
     with pgbench.PgBench(catalog_db.dsn, pgbench.VIEWS, ids, hot, clients=4) as consumers:
         time.sleep(1)
         t0 = time.time()
-        r = run_dag(CATALOG, {"batch_size": 20}, logical_date=night(D))
+        r = run_night(CATALOG, {"batch_size": 20}, D)
         t1 = time.time()
     views = consumers.result
     s = assert_ok(r)
@@ -253,7 +253,7 @@ def test_catalog_run_under_concurrent_view_consumers(catalog_db):
     moved = sum(1 for c in today if today[c] != after[c])
 
     # the same date again, the consumers stopped: the settled counters, the formula exactly
-    s2 = assert_ok(run_dag(CATALOG, {"batch_size": 20}, logical_date=night(D)))
+    s2 = assert_ok(run_night(CATALOG, {"batch_size": 20}, D))
     today = dict(
         catalog_db.q(
             "SELECT card_id::text, cumulative_views FROM "
@@ -858,7 +858,7 @@ def test_catalog_missing_column_fails_at_acquire_lease(catalog_db, capfd, caplog
     catalog_db.card(views=10)
     catalog_db.q("ALTER TABLE catalog.project_cards DROP COLUMN popularity_views")
     capfd.readouterr()
-    r = run_dag(CATALOG, {}, logical_date=night(D))
+    r = run_night(CATALOG, {}, D)
     assert r["state"] == "failed" and r["tasks"]["acquire_lease"] == "failed"
     assert "domain table catalog.project_cards lacks column(s): popularity_views" in _logs(
         capfd, caplog
@@ -972,7 +972,7 @@ def test_inconsistent_or_out_of_range_options_fail_before_any_write(
     catalog_db.seed_snapshot(card, D - timedelta(days=1), 4)
     post = news_db.post(count=5, visible=3)
     capfd.readouterr()
-    r = run_dag(dag_id, conf, logical_date=night(D))
+    r = run_night(dag_id, conf, D)
     text = _logs(capfd, caplog)
     assert r["state"] == "failed"
     assert r["tasks"]["validate_options"] == "failed"
@@ -1050,10 +1050,10 @@ def test_fractional_minutes_are_accepted(news_db, catalog_db):
     s = assert_ok(run_dag(NEWS, {**FULL, "max_run_duration_minutes": 0.5, "lock_ttl_minutes": 1.5}))
     assert news_db.count(post) == 3 and s["backlog_remaining"] is False
     assert_ok(
-        run_dag(
+        run_night(
             CATALOG,
             {"max_run_duration_minutes": 0.5, "lock_ttl_minutes": 0.75, "half_life_days": 3.5},
-            logical_date=night(D),
+            D,
         )
     )
     assert catalog_db.score(card) == 6
@@ -1065,13 +1065,9 @@ def test_extreme_but_valid_decay_params_compute_without_overflow(catalog_db):
     cid = catalog_db.card(views=100)
     catalog_db.seed_snapshot(cid, D - timedelta(days=3000), 10)
     catalog_db.seed_snapshot(cid, D - timedelta(days=1), 60)
-    assert_ok(
-        run_dag(CATALOG, {"window_days": 3660, "half_life_days": 1e-6}, logical_date=night(D))
-    )
+    assert_ok(run_night(CATALOG, {"window_days": 3660, "half_life_days": 1e-6}, D))
     assert catalog_db.score(cid) == 40  # only today's delta keeps a weight
-    assert_ok(
-        run_dag(CATALOG, {"window_days": 3660, "half_life_days": 1e12}, logical_date=night(D))
-    )
+    assert_ok(run_night(CATALOG, {"window_days": 3660, "half_life_days": 1e12}, D))
     assert catalog_db.score(cid) == 90  # (almost) no decay: 50 + 40
 
 
@@ -1087,7 +1083,7 @@ def test_non_finite_numbers_fail_before_any_write(catalog_db, capfd, caplog, con
     run conf holds null, and the run fails in validate_options, before any write."""
     cid = catalog_db.card(views=10)
     capfd.readouterr()
-    r = run_dag(CATALOG, conf, logical_date=night(D))
+    r = run_night(CATALOG, conf, D)
     assert r["state"] == "failed" and r["tasks"]["validate_options"] == "failed"
     assert r["tasks"]["acquire_lease"] == "upstream_failed"
     assert f"Invalid input for param {param}" in _logs(capfd, caplog)
@@ -1153,7 +1149,7 @@ def test_a_counter_reset_in_the_history_gives_delta_zero_not_a_negative_score(ca
     for d, v in hist.items():
         catalog_db.seed_snapshot(cid, d, v)
         catalog_db.seed_snapshot(dropped, d, v)
-    s = assert_ok(run_dag(CATALOG, {}, logical_date=night(D)))
+    s = assert_ok(run_night(CATALOG, {}, D))
     lam2 = Decimal(2) ** (Decimal(-2) / 7)
     assert catalog_db.score(cid) == (20 + 50 * lam2).quantize(Decimal("0.0001"))
     assert catalog_db.score(cid) == reference_popularity_score({**hist, D: 60}, D, 30, 7)

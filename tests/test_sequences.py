@@ -22,6 +22,7 @@ from tests.helpers import (
     failed_tasks,
     night,
     reference_popularity_score,
+    run_night,
     when,
 )
 from tools.devenv import REPO, run_sql_file
@@ -223,15 +224,12 @@ def test_a_late_clear_of_an_older_popularity_run_writes_nothing(catalog_db):
         db.seed_snapshot(c, d - timedelta(days=1), 50)
     db.fail_updates_of(cards[7], "catalog.property_object_cards")
     conf = {"batch_size": 2, "max_ranges": 2}
-    night_d = run_dag(CATALOG, conf, logical_date=night(d))
+    night_d = run_night(CATALOG, conf, d)
     assert night_d["state"] == "failed"
     db.allow_updates("catalog.property_object_cards")
     for k in (1, 2):
         db.q("UPDATE catalog.property_object_cards SET popularity_views = popularity_views + 7")
-        assert (
-            assert_ok(run_dag(CATALOG, conf, logical_date=night(d + timedelta(days=k))))["status"]
-            == "success"
-        )
+        assert assert_ok(run_night(CATALOG, conf, d + timedelta(days=k)))["status"] == "success"
     db.q("UPDATE catalog.property_object_cards SET popularity_views = popularity_views + 1000")
     before = db.q(
         "SELECT card_id, run_date, cumulative_views FROM catalog.popularity_daily_views "
@@ -360,13 +358,13 @@ def test_a_run_with_another_formula_never_adopts_the_nightly_pass_of_its_date(ca
         for age, v in ((25, 10), (15, 30), (5, 60)):  # the two windows read different days
             db.seed_snapshot(c, d - timedelta(days=age), v)
     db.fail_updates_of(cards[5], "catalog.property_object_cards")
-    nightly = run_dag(CATALOG, {"batch_size": 2, "max_ranges": 1}, logical_date=night(d))
+    nightly = run_night(CATALOG, {"batch_size": 2, "max_ranges": 1}, d)
     assert nightly["state"] == "failed"
     db.allow_updates("catalog.property_object_cards")
     half = [db.score(c) for c in cards[:4]]
     assert all(s > 0 for s in half)
     manual = {"batch_size": 2, "max_ranges": 1, "window_days": 10}
-    r = run_dag(CATALOG, manual, logical_date=night(d))
+    r = run_night(CATALOG, manual, d)
     s = assert_ok(r)
     assert s["status"] == "success", s
     # not the date's scoring: no scored date, no fresh-scores event, no last-success time
@@ -437,7 +435,7 @@ def test_a_card_that_cannot_be_written_is_isolated_and_the_run_stays_green(
         db.seed_snapshot(c, d - timedelta(days=1), 10)
     db.fail_updates_of(cards[3], "catalog.property_object_cards", errcode="check_violation")
     capfd.readouterr()
-    s = assert_ok(run_dag(CATALOG, {"batch_size": 4}, logical_date=night(d)))
+    s = assert_ok(run_night(CATALOG, {"batch_size": 4}, d))
     out = capfd.readouterr()
     assert s["status"] == "success" and s["item_errors"] == 1, s
     assert db.q("SELECT item_kind, item_id::text, sqlstate FROM pin_nightly.item_error") == [
@@ -463,7 +461,7 @@ def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(cata
     for c in cards:
         db.seed_snapshot(c, d - timedelta(days=1), 10)
     db.reject_all_updates("catalog.property_object_cards")
-    r = run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d))
+    r = run_night(CATALOG, {"batch_size": 5}, d)
     assert r["state"] == "failed" and r["tasks"]["summarize"] == "failed", r
     assert r["tasks"]["publish"] == "upstream_failed"
     [(status, result)] = db.q("SELECT status, result FROM pin_nightly.run_log")
@@ -477,7 +475,7 @@ def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(cata
     assert result["scores_as_of_date"] is None, result
     # the rule is lifted: the next night scores every card, and the date counts again
     db.allow_updates("catalog.property_object_cards")
-    r = run_dag(CATALOG, {"batch_size": 5}, logical_date=night(d + timedelta(days=1)))
+    r = run_night(CATALOG, {"batch_size": 5}, d + timedelta(days=1))
     assert r["state"] == "success", r
     d1 = d + timedelta(days=1)
     assert r["note"] == (
@@ -678,7 +676,7 @@ def test_a_catalog_that_outgrows_its_budget_reaches_every_card_of_both_kinds(cat
     d0 = db.today() - timedelta(days=5)
     reached: list[set] = []
     for k in range(3):
-        s = assert_ok(run_dag(CATALOG, conf, logical_date=night(d0 + timedelta(days=k))))
+        s = assert_ok(run_night(CATALOG, conf, d0 + timedelta(days=k)))
         assert s["status"] in ("backlog_remaining", "success"), s
         assert s["property_object_cards_processed"] > 0 and s["project_cards_processed"] > 0, s
         reached.append({c for c in cards if db.snapshots(c)})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field, replace
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from typing import Any
 
 import pendulum
@@ -165,7 +165,6 @@ class Popularity(jobs.Job):
 
     def check_date(self, opts: dict[str, Any], instant, backfill: bool) -> None:  # noqa: ARG002
         check_as_of_date(opts)
-        jobs.check_backfill(self, opts["as_of_date"], backfill, True)
 
     def prune(self, run: runs.Run) -> int:
         return retention(run)
@@ -314,26 +313,42 @@ def validate_options(
     return opts
 
 
+def past_night(as_of: str | date, today: date) -> str | None:
+    """Why a run of ``as_of`` may write no snapshot of that night (None: it may): the night
+    is before yesterday by the job's clock. Its counters would be read today and stamped with
+    that date, so the growth of every night since would land on it; tonight's run carries it
+    (after a gap, the whole gap's growth lands on the first night after it)."""
+    if date.fromisoformat(str(as_of)) >= today - timedelta(days=1):
+        return None
+    return f"night {as_of} is past; tonight's run carries its growth"
+
+
 def check_as_of_date(opts: dict[str, Any]) -> None:
-    """Refuse a run dated after the database's current date (UTC), before anything is written:
-    its snapshots would carry a future date, its scores would age every card's history, its
-    retention would prune the real history, and every real night until then would write
-    nothing (history is never rewritten)."""
-    with connection(JOB.conn_id) as conn, transaction(conn) as cur:
-        cur.execute(sql("catalog/today"))
-        today = cur.fetchone()[0]
+    """Refuse, before anything is written and whatever the run's type (scheduled, manual,
+    backfill), a run dated after the job's clock (its snapshots would carry a future date,
+    its retention would prune the real history, and every real night until then would write
+    nothing) or before yesterday (:func:`past_night`). A run that passes and is cleared days
+    later is caught at its writes (:func:`_backfill_guard`)."""
+    today = jobs.today(JOB)
     if date.fromisoformat(opts["as_of_date"]) > today:
         raise JobConfigError(
             f"invalid options: as_of_date {opts['as_of_date']} (the run's logical date in UTC) "
             f"is after the database's current date {today.isoformat()}: a run may not be dated "
             "in the future; trigger it without a logical date (today) or with one up to today"
         )
+    if why := past_night(opts["as_of_date"], today):
+        raise JobConfigError(
+            f"refused: {why} (yesterday is {today - timedelta(days=1)} by the database's clock "
+            "in UTC); nothing was written"
+        )
 
 
 def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
     """Why this run may write nothing, or None: a newer date already has snapshots or a pass
     of a real run (a late clear of an older run, a backfill: history is never rewritten and
-    newer scores never replaced by older ones), or snapshots are dated after today."""
+    newer scores never replaced by older ones), snapshots are dated after today, or the
+    run's night has become past since it was checked (:func:`past_night`: a clear days
+    later, a run that waited). Read at every write, with the job's clock."""
     cur.execute(sql("catalog/newest_snapshot"), {"job": JOB.code})
     g = fetch_one_dict(cur)
     as_of = date.fromisoformat(opts["as_of_date"])
@@ -346,7 +361,7 @@ def _backfill_guard(cur, opts: dict[str, Any]) -> str | None:
         return f"superseded by the run {g['newest_pass_run']} of {g['newest_pass']}"
     if g["newest_snapshot"] is not None and g["newest_snapshot"] > as_of:
         return f"as_of_date older than snapshots of {g['newest_snapshot']}"
-    return None
+    return past_night(as_of, g["today"])
 
 
 def _spec(family: str, opts: dict[str, Any]) -> sweeps.SweepSpec:

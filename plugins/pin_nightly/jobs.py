@@ -129,7 +129,7 @@ class Job:
 
     def check_date(self, opts: dict[str, Any], instant: datetime, backfill: bool) -> None:  # noqa: ARG002
         """Refuse, before anything is written, a run whose date the job may not work."""
-        check_backfill(self, instant.date().isoformat(), backfill, False)
+        check_backfill(self, instant.date().isoformat(), backfill)
 
     def rows_tried(self, result: dict[str, Any]) -> int:
         """The rows a run's ``result`` tried to write, those that failed included."""
@@ -490,30 +490,28 @@ def run_type(dag_run: Any) -> str:
     return str(getattr(kind, "value", kind)).lower()
 
 
-def check_backfill(job: Job, day: str, backfill: bool, snapshots: bool) -> None:
+def today(job: Job) -> date:
+    """The job's one clock, "today" (``include/sql/common/today.sql``: the database's current
+    date in UTC), read from its database; no job-owned table is needed."""
+    with connection(job.conn_id) as conn, transaction(conn) as cur:
+        cur.execute(sql("common/clock"))
+        return cur.fetchone()[0]
+
+
+def check_backfill(job: Job, day: str, backfill: bool) -> None:
     """Refuse, before anything is written, a backfill run of a ``day`` (ISO) before yesterday
-    (the database's clock, UTC): it would read tonight's data as that day's. The popularity job
-    (``snapshots``) stamps today's counters as the day's snapshots, so the growth of every day
-    since lands on that one, aged; tonight's run carries the growth instead. A backfill of a
-    day already stored (a re-run), or older than stored snapshots (it writes nothing), goes on.
-    News sweeps today's rows whatever the day: a backfill repeats one run's work per day."""
+    (the job's clock): news sweeps today's rows whatever the day, so a backfill would repeat
+    one run's work per day; the next run's DailyWindow reaches back to the last completed
+    sweep."""
     if not backfill:
         return
-    with connection(job.conn_id) as conn, transaction(conn) as cur:
-        statement = "common/backfill_snapshots" if snapshots else "common/backfill_today"
-        cur.execute(sql(statement), {"day": day})
-        today, stored = cur.fetchone()
-    if date.fromisoformat(day) >= today - timedelta(days=1) or stored:
+    now = today(job)
+    if date.fromisoformat(day) >= now - timedelta(days=1):
         return
-    carried = (
-        "tonight's run carries the growth since the newest snapshot"
-        if snapshots
-        else "the next run's DailyWindow reaches back to the last completed sweep"
-    )
     raise JobConfigError(
-        f"backfill refused: {day} is before yesterday ({today - timedelta(days=1)}, the "
-        f"database's clock in UTC), and a run reads today's data, not that day's: {carried}; "
-        "nothing was written"
+        f"backfill refused: {day} is before yesterday ({now - timedelta(days=1)}, the job's "
+        "clock), and a run reads today's data, not that day's: the next run's DailyWindow "
+        "reaches back to the last completed sweep; nothing was written"
     )
 
 

@@ -7,4 +7,4 @@ SELECT (SELECT max(run_date) FROM catalog.popularity_daily_views) AS newest_snap
        (SELECT run_id FROM pin_nightly.sweep
          WHERE job = %(job)s AND resumable
          ORDER BY (params ->> 'as_of_date')::date DESC, sweep_id DESC LIMIT 1) AS newest_pass_run,
-       (now() AT TIME ZONE 'UTC')::date AS today
+       {common/today} AS today

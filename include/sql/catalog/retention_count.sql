@@ -3,7 +3,7 @@
 -- the rows dated before the newest upper bound of those partitions).
 WITH past AS (
     SELECT p.upper_bound FROM catalog.popularity_partitions() p
-     WHERE p.upper_bound <= least(%(as_of)s::date, (now() AT TIME ZONE 'UTC')::date)
+     WHERE p.upper_bound <= least(%(as_of)s::date, {common/today})
                             - (greatest(%(keep_days)s, 30) + 2)
 )
 SELECT count(*) FROM catalog.popularity_daily_views

@@ -48,7 +48,8 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
 $fn$;
 
 -- Create the missing one-night partitions of p_from .. p_through (at most 63 nights, none
--- later than 62 days after the database's current date, UTC): a night already inside a
+-- later than 62 days after the database's current date, UTC: a bound, so the real date, never
+-- earlier than the job's clock, include/sql/common/today.sql): a night already inside a
 -- partition (the migrated table's range) gets none. Each partition is created apart and then
 -- attached, which takes SHARE UPDATE EXCLUSIVE on the parent (never blocks the job's own
 -- writes; no other session reads the table). Returns the partitions created.
