@@ -12,6 +12,24 @@ SELECT c.relkind::text AS relkind,
   FROM (SELECT to_regclass('catalog.popularity_daily_views') AS oid) t
   LEFT JOIN pg_class c ON c.oid = t.oid
 
+-- name: prune_rows
+-- Retention on the previous release's table (one table, until a DBA upgrades it): one batch
+-- of the snapshots past the horizon of catalog.popularity_drop_partition, oldest nights first
+-- (ix_popularity_daily_run_date), deleted; how many.
+WITH doomed AS (
+    SELECT id FROM catalog.popularity_daily_views
+     WHERE run_date < least(%(as_of)s::date, {common/today}) - (greatest(%(keep_days)s, 30) + 2)
+     ORDER BY run_date LIMIT %(limit)s
+), gone AS (
+    DELETE FROM catalog.popularity_daily_views v USING doomed d WHERE v.id = d.id RETURNING 1
+)
+SELECT count(*) FROM gone
+
+-- name: rows_past_horizon
+-- What retention would delete from the previous release's table (a dry run).
+SELECT count(*) FROM catalog.popularity_daily_views
+ WHERE run_date < least(%(as_of)s::date, {common/today}) - (greatest(%(keep_days)s, 30) + 2)
+
 -- name: ensure_partitions
 -- Tonight's partition and the nights after it (created ahead): none is created twice.
 SELECT catalog.popularity_ensure_partitions(%(from)s::date, %(through)s::date)
@@ -24,5 +42,5 @@ SELECT partition_name, lower_bound, upper_bound, snapshots
 -- name: oldest_past_horizon
 -- The oldest night of a partition retention would drop (see the function), NULL when none.
 SELECT min(p.lower_bound) FROM catalog.popularity_partitions() p
- WHERE p.upper_bound <= least(%(as_of)s::date, (now() AT TIME ZONE 'UTC')::date)
+ WHERE p.upper_bound <= least(%(as_of)s::date, {common/today})
                         - (greatest(%(keep_days)s, 30) + 2)

@@ -1,8 +1,8 @@
 -- Job-owned table of catalog_popularity_recompute: daily snapshots of the cumulative view
 -- counters, partitioned by run_date, one partition per night (docs/schema.md says why).
 -- Idempotent: a DBA applies it (then roles.sql); the DAG applies it when the table is absent.
--- A table of the previous release (not partitioned) is migrated in place by the job
--- (pin_nightly.partitions.migrate), or by a DBA where the job's role may not.
+-- A table of the previous release (not partitioned) is upgraded in place by a DBA's command
+-- (python -m pin_nightly.partitions); the job writes to it as it is until then.
 --
 -- The logical contract is unchanged: the table's name and columns, one snapshot per card a
 -- night (ix_popularity_daily_unique), the window index; each is a partitioned index. A
