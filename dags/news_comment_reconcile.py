@@ -30,12 +30,15 @@ and names it in `unfinished_sweeps`. `success` means nothing is left behind.
   Airflow 3.3.2 answers a clear made before the run's budget (the lease TTL) has passed
   with HTTP 500: docs/design.md, Development notes.
   Cleared after a later run adopted its range, it writes nothing and says `superseded by the
-  run ...` (green).
+  run ...` (green). Whatever became of the ranges, the summary runs: it logs what the run
+  did and, with `tasks failed: N task(s) of the run failed`, makes the run red.
 - `pausing: <signal>=<value> over <limit>` in a range's log: the database was unhealthy and the
   batches waited (docs/operations.md "Pacing on the database's health"); a run whose budget
   ran out paused ends `backlog_remaining`, and the next run resumes.
-- `item_errors` > 0: a post could not be written (a trigger or constraint rejected it); the
-  others were, the range went on. `pin_nightly.item_error` has the post and its error.
+- `item_errors` > 0: a post could not be written (a trigger, a constraint or a row-level
+  security policy rejected it); the others were, the range went on. `pin_nightly.item_error`
+  has the post and its error; the post stays a DailyWindow candidate every night until it is
+  written.
 - drift alert (a nightly run: corrections since the previous nightly summary above
   `drift_alert_threshold`; a manual run: its own): a bug in the hot-path increment; the job
   treats the symptom. `pin_nightly.news_drift` lists every correction.

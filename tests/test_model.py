@@ -1240,6 +1240,8 @@ NEWS_SEQUENCES = [
         S("a_failure_ahead", fault="plan_before"),
         S("manual_run", what="dry_run", when="future"),
         S("manual_run", what="out_of_time", when="now"),
+        *drift((5, "lost"), (6, "corrupt")),
+        S("manual_run", what="dry_run", when="now"),  # it completes: finds drift, records none
         *drift((4, "lost")),
         S("a_failure_ahead", fault="summarize_after"),
         S("manual_run", what="FullSweep", when="now"),
@@ -1288,15 +1290,18 @@ CATALOG_SEQUENCES = [
         S("scheduled_night", gap=1),  # its pass stays open
         S("poison", rows="all"),
         S("views_grow", cards="all", amount=5),
+        S("day_turns", days=1),
         S("manual_run", when="today", extra="targeted"),  # a newer date's snapshots
         S("poison", rows="none"),
         S("views_grow", cards="all", amount=0),
         S("manual_run", when="today", extra="targeted_missing", traffic="commit"),
         S("views_grow", cards="all", amount=5),
+        S("day_turns", days=2),  # the failed night is now past
         S("clear_a_failed_run", which=-1, how="failed_tasks"),  # its range writes nothing
         S("backfill_run", age=1),
         S("a_failure_ahead", fault="plan_before"),
-        S("manual_run", when="past", extra="dry_run"),
+        S("manual_run", when="last_night", extra="dry_run"),
+        S("manual_run", when="past", extra="plain"),  # a catch-up: refused, nothing written
         S("manual_run", when="future", extra="plain"),
         S("views_grow", cards="all", amount=5),
         S("a_failure_ahead", fault="summarize_after"),

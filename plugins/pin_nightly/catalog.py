@@ -104,7 +104,8 @@ class Popularity(jobs.Job):
         result["resumed"] = runs.resumed(totals, run.lease)
 
     def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:
-        """A run that may write nothing says so in its status (else ``success`` only when both
+        """A run that may write nothing and wrote nothing says so in its status (a summary
+        cleared after newer nights keeps what its run did; else ``success`` only when both
         passes of ``as_of_date`` completed and no sweep is left unfinished); the staleness figures
         come from the newest as_of_date whose passes all completed, whichever run completed them;
         a dry run reports what it would have written."""
@@ -112,8 +113,8 @@ class Popularity(jobs.Job):
             why = _backfill_guard(cur, run.opts)
             cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
             scored = fetch_one_dict(cur)
-        if why is not None:
-            result["status"] = f"nothing written: {why}"
+        if why is not None and not self.rows_tried(result):  # a late summary of a run that
+            result["status"] = f"nothing written: {why}"  # wrote keeps what it did
         if scored is not None:
             result["scores_as_of_date"] = scored["as_of_date"].isoformat()
             result["score_staleness_hours"] = round(scored["staleness_hours"], 3)
@@ -196,7 +197,7 @@ class Popularity(jobs.Job):
         return sum(int(result.get(f"{k.result}_updated") or 0) for k in CARD_KINDS)
 
     def prepare(self, conn) -> None:
-        partitions.prepare(conn)  # the previous release's table is upgraded first
+        partitions.prepare(conn)  # the layout checked: the previous release's one table too
 
 
 _MAX_WINDOW_DAYS = 3660  # larger overflows PostgreSQL's dates half-way through a run
@@ -608,8 +609,7 @@ def retention(run: runs.Run) -> int:
         with transaction(conn) as cur:
             why = _backfill_guard(cur, opts)
             if why is None and opts["dry_run"]:
-                cur.execute(sql("catalog/retention_count"), params)
-                pruned = int(cur.fetchone()[0])
+                pruned = partitions.would_prune(cur, opts["as_of_date"], keep)
         if why is not None:
             log.warning("retention skipped: %s", why)
             return 0

@@ -146,14 +146,24 @@ class Batch:
 
 
 # SQLSTATE classes of an error that one row causes (a domain trigger raising, a constraint, bad
-# data): the row is isolated and recorded, the batch writes the others. Anything else (the
-# connection, disk, resources, a lock timeout, a cancel) fails the batch and the task.
+# data): the row is isolated and recorded, the batch writes the others.
 ITEM_ERROR_CLASSES = ("22", "23", "P0")
+# Classes that never concern one row: the connection, the transaction (a deadlock, a
+# serialization failure), resources, disk, a lock timeout or a cancel, the server, a missing
+# object. They fail the batch and the task at once.
+DATABASE_ERROR_CLASSES = ("08", "25", "3D", "3F", "40", "53", "54", "55", "57", "58", "F0", "XX")
 
 
 def is_item_error(exc: BaseException) -> bool:
+    """Whether ``exc`` may concern one row, so the batch isolates the rows that cause it: the
+    item classes, and any other error of the database that is not of the database as a whole
+    (row-level security's 42501, a trigger's own ERRCODE). An error outside the item classes
+    that every row of a batch gets alone concerns the table, not a row
+    (:func:`isolate_items`)."""
     state = sqlstate(exc)
-    return bool(state) and state[:2] in ITEM_ERROR_CLASSES
+    if not state or state[:2] in DATABASE_ERROR_CLASSES:
+        return False
+    return state[:2] != "42" or state == "42501"  # else a missing or mistyped object
 
 
 # apply(ids) writes the rows ``ids`` and returns what it wrote; an isolation returns that and
@@ -168,34 +178,29 @@ def isolate_items(cur, ids: list[str], apply: Apply, record: dict, item: str) ->
     that fail alone (about 2 k log n statements for k bad rows among n, not n). Those are
     recorded in ``pin_nightly.item_error`` (``record``: job, run_id, sweep_id, the rows' kind
     and table) with their row's version, and logged as ``item failed``. The rows recorded
-    before and unchanged since are held back from that (``record["retry"]``: not) and tried
-    together, once (:func:`_try_held`). Returns what ``apply`` returned for the rows written,
-    and the ids that failed. Every savepoint is released, rolled back or not (no
-    subtransactions pile up)."""
+    before and unchanged since are held apart (``record["retry"]``: not), so that a row known
+    to fail never makes the fresh rows bisect, and isolated the same way: those that still fail
+    alone are logged, not recorded again (their record stands). Returns what ``apply``
+    returned for the rows written, and the ids that failed. When every row failed alone with
+    an error outside the item classes, the error concerns the table, not a row: it is raised
+    (the batch rolls back, the task fails). Every savepoint is released, rolled back or not
+    (no subtransactions pile up)."""
     held = [] if record["retry"] else _held_back(cur, record, ids)
     fresh = [i for i in ids if i not in set(held)]
-    out, failed = _isolate(cur, fresh, apply, record, item) if fresh else ([], [])
+    errors: list[BaseException] = []
+    out, failed = _isolate(cur, fresh, apply, {**record, "errors": errors}, item)
     if held:
-        wrote, still = _try_held(cur, held, apply)
-        out, failed = out + wrote, failed + still
+        still = {**record, "errors": errors, "held": True}
+        wrote, failing = _isolate(cur, held, apply, still, item)
+        out, failed = out + wrote, failed + failing
+    if len(ids) > 1 and len(failed) == len(ids) and not any(map(_of_a_row, errors)):
+        raise errors[0]
     return out, failed
 
 
-def _try_held(cur, held: list[str], apply: Apply) -> Isolated:
-    """The rows held back, tried together in one statement: written once whatever rejected
-    them is gone; otherwise all still failing, without a statement a row or a new record."""
-    out, exc = _savepointed(cur, held, apply)
-    if exc is None:
-        log.info("%d row(s) that failed before were written", len(held))
-        return out, []
-    log.warning(
-        "%d row(s) that failed before and are unchanged since still fail (%s); not tried one "
-        "by one (pin_nightly.item_error; retry_failed_rows does): %s",
-        len(held),
-        first_line(exc),
-        " ".join(held[:20]) + (" ..." if len(held) > 20 else ""),
-    )
-    return [], held
+def _of_a_row(exc: BaseException) -> bool:
+    state = sqlstate(exc)
+    return bool(state) and state[:2] in ITEM_ERROR_CLASSES
 
 
 def _savepointed(cur, ids: list[str], apply) -> tuple[Any, BaseException | None]:
@@ -225,11 +230,22 @@ def table_sql(name: str, table: str) -> str:
 
 
 def _isolate(cur, ids: list[str], apply: Apply, record: dict, item: str) -> Isolated:
+    if not ids:
+        return [], []
     out, exc = _savepointed(cur, ids, apply)
     if exc is None:
         return out, []
     if len(ids) == 1:
-        _record_item_error(cur, record, item, ids[0], exc)
+        record["errors"].append(exc)
+        if record.get("held"):  # recorded before, unchanged since: its record stands
+            log.warning(
+                "item still failing, unchanged since it was recorded: %s=%s: %s",
+                item,
+                ids[0],
+                first_line(exc),
+            )
+        else:
+            _record_item_error(cur, record, item, ids[0], exc)
         return [], list(ids)
     log.warning("%d rows failed on a row (%s): isolating it by halves", len(ids), exc)
     half = len(ids) // 2

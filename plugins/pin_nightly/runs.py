@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pin_nightly import controls, metrics, ranges, sweeps, tracing
@@ -164,11 +164,13 @@ def _range_result(res: ranges.RangeResult) -> dict[str, Any]:
     }
 
 
-def summarize(run: Run, **given: Any) -> dict[str, Any]:
+def summarize(run: Run, failed_tasks: int = 0, **given: Any) -> dict[str, Any]:
     """The summary task: the run's result (XCom, a row in the run log, the 'completed' log
     line) and its signals, sent once per acquisition. ``status`` is ``success`` only when no
     work is left: ``backlog_remaining`` whenever a sweep is unfinished after the run, whichever
-    run left it; the job may say more (:meth:`~pin_nightly.jobs.Job.settle`)."""
+    run left it; the job may say more (:meth:`~pin_nightly.jobs.Job.settle`). It runs after
+    the work whatever became of it: ``failed_tasks`` of the run failed (a range that failed for
+    the whole database), then the run is counted and logged, and the summary fails."""
     job = run.job
     result = {**new_result(run), **job.result(run, **given)}
     signals = None
@@ -177,7 +179,7 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
             result["status"] = LOCK_HELD
             log.warning("%s: %s; this run did nothing", job.code, LOCK_HELD)
         else:
-            _count_run(conn, run, result)
+            _count_run(conn, run, result, failed_tasks)
             if not run.dry_run:  # a dry run sends nothing
                 signals = summary_signals(conn, run, functools.partial(job.signals, run, result))
         write_run_log(conn, run, result)
@@ -189,14 +191,20 @@ def summarize(run: Run, **given: Any) -> dict[str, Any]:
         if signals is not None:
             metrics.gauge(f"{job.dag_id}_backlog_remaining", int(result["backlog_remaining"]))
             signals[0].send(signals[1], functools.partial(job.alert, run))
-    if result["status"].startswith(MOSTLY_FAILED):
+    if result["status"].startswith((MOSTLY_FAILED, TASKS_FAILED)):
         from airflow.sdk.exceptions import AirflowFailException
 
-        raise AirflowFailException(f"{job.code}: {result['status']} (pin_nightly.item_error)")
+        where = "pin_nightly.item_error" if failed_tasks == 0 else "the failed tasks' logs"
+        raise AirflowFailException(f"{job.code}: {result['status']} ({where})")
     return result
 
 
-def _count_run(conn, run: Run, result: dict[str, Any]) -> None:
+# The status of a run some of whose tasks failed (a range, the retention): its summary counts
+# and logs what the others did, then fails.
+TASKS_FAILED = "tasks failed:"
+
+
+def _count_run(conn, run: Run, result: dict[str, Any], failed_tasks: int = 0) -> None:
     """What the run did (over all its acquisitions), what is left, its status."""
     totals, result["unfinished_sweeps"] = finish_run(conn, run)
     if given := controls.events_of_run(conn, run.run_id, run.held().acquired_at):
@@ -208,9 +216,14 @@ def _count_run(conn, run: Run, result: dict[str, Any]) -> None:
     result["history_pruned"] = prune_history(conn, run)
     failed = _mostly_failed(conn, run, result)
     run.job.settle(conn, run, result)
+    if failed_tasks and not failed:
+        failed = (
+            f"{TASKS_FAILED} {failed_tasks} task(s) of the run failed; the others' work is kept"
+        )
     result["status"] = failed or result["status"]
-    started = datetime.fromisoformat(run.held().acquired_at)
-    result["duration_ms"] = int((datetime.now(UTC) - started).total_seconds() * 1000)
+    with transaction(conn) as cur:  # the lease's acquisition is on the database's clock
+        cur.execute(sql("common/elapsed_ms"), {"since": run.held().acquired_at})
+        result["duration_ms"] = int(cur.fetchone()[0])
 
 
 # A run in which most of the rows it tried failed (and at least this many) is not a success: a

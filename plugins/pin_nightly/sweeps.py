@@ -153,8 +153,9 @@ def open_sweep(conn, spec: SweepSpec, lease: leases.Lease, run_id: str, plan: Pl
     unfinished real sweeps, returned under ``"others"``, oldest first.
     """
     base = {"job": spec.job, "scope": spec.scope, "family": spec.family, "run_id": run_id}
-    base["owner"] = lease.holder
+    base.update(owner=lease.holder, variant=f" {spec.variant}" if spec.variant else "")
     with transaction(conn) as cur:
+        leases.fence(cur, lease)  # a lost lease opens, adopts or abandons nothing
         _close_leftovers(cur, base)
         sweep = _find_or_adopt(cur, spec, base)
         if sweep is None:

@@ -38,18 +38,19 @@ def _wire(job: jobs.Job, run_tasks: tuple, work_tasks: tuple) -> None:
     plan, work, retention, summarize = work_tasks
     opts = validate_options()
     lease = acquire_lease(opts)
-    done = lease
+    done, work_tasks = lease, []
     for kind, plan_id, work_id in job.passes:  # a pass's ranges, then the next pass's planning
         ranges = plan.override(task_id=plan_id)(opts, lease, kind)
         done >> ranges
         done = work.override(task_id=work_id).partial(opts=opts, lease=lease).expand(rng=ranges)
+        work_tasks += [ranges, done]
+    # directly after every planning and range task: a clear of one of them (all_done looks at
+    # the direct upstream tasks only) makes these wait for it again
+    summary = summarize(opts)
+    work_tasks >> summary
     if job.retention_task:
         pruned = retention(opts)
-        done >> pruned
-        summary = summarize(opts, pruned)
-    else:
-        summary = summarize(opts)
-        done >> summary
+        work_tasks >> pruned >> summary
     summary >> release_lease(lease)
     publish(summary)
 
@@ -100,15 +101,23 @@ def _work_tasks(job: jobs.Job, pool: str) -> tuple:
         return runs.work_range(runs.Run.of(job, opts, run_id, lease), rng)
 
     # The lease is pulled here rather than passed: a task right after the setup task must have
-    # the trigger rule all_success, and these must also run after ranges that skipped.
-    @task(pool=pool, trigger_rule="none_failed")
+    # the trigger rule all_success. These run once the work is done, whatever became of it (a
+    # range that failed, one that skipped): retention and the summary run every night, and the
+    # summary fails the run when a task of it failed. Neither runs when the lease's setup
+    # failed (Airflow marks them upstream_failed).
+    @task(pool=pool, trigger_rule="all_done")
     def retention(opts: dict, run_id=None, ti=None) -> int:
         lease = ti.xcom_pull(task_ids="acquire_lease")
         return job.prune(runs.Run.of(job, opts, run_id, lease))
 
-    @task(pool=pool, trigger_rule="none_failed")
-    def summarize(opts: dict, pruned: int | None = None, run_id=None, ti=None) -> dict:
+    @task(pool=pool, trigger_rule="all_done")
+    def summarize(opts: dict, run_id=None, ti=None) -> dict:
         lease = ti.xcom_pull(task_ids="acquire_lease")
-        return runs.summarize(runs.Run.of(job, opts, run_id, lease), pruned=pruned)
+        pruned = ti.xcom_pull(task_ids="retention") if job.retention_task else None
+        failed = ti.get_ti_count(
+            dag_id=ti.dag_id, run_ids=[run_id], states=["failed", "upstream_failed"]
+        )
+        run = runs.Run.of(job, opts, run_id, lease)
+        return runs.summarize(run, failed_tasks=failed, pruned=pruned)
 
     return plan, work, retention, summarize

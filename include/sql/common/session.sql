@@ -36,6 +36,11 @@ SELECT CASE WHEN current_setting('wal_compression') = 'off'
                  WHERE m = ANY (enumvals) ORDER BY o LIMIT 1) AS method
           FROM pg_settings WHERE name = 'wal_compression') AS best
 
+-- name: elapsed_ms
+-- Milliseconds from an instant the database gave (a lease's acquisition) to now, both on the
+-- database's clock (a worker's clock may be off by seconds).
+SELECT (extract(epoch FROM clock_timestamp() - %(since)s::timestamptz) * 1000)::bigint
+
 -- name: server_version_num
 SELECT current_setting('server_version_num')::int
 

@@ -77,12 +77,19 @@ UPDATE pin_nightly.sweep s
 RETURNING s.sweep_id, s.scope, s.run_id
 
 -- name: sweep_abandon_family
--- A new resumable sweep makes the open sweeps of the same family but another scope obsolete
--- (for example yesterday's popularity pass).
+-- A new resumable sweep makes the open sweeps of the same family and formula but another scope
+-- obsolete (for example yesterday's popularity pass); a run with another formula never
+-- abandons the nightly's, nor the nightly a variant's.
 UPDATE pin_nightly.sweep
    SET status = 'abandoned', completed_at = clock_timestamp()
  WHERE job = %(job)s AND family = %(family)s AND scope <> %(scope)s
+   AND {common/sweep_variant} = %(variant)s
    AND status = 'open' AND resumable
+
+-- name: sweep_variant
+-- A fragment: the formula part of a sweep's scope (what follows its family and date: "" for the
+-- nightly's, " window 10d half-life 3d" for a run with other formula params).
+coalesce(substring(scope FROM ' .*$'), '')
 
 -- name: sweep_abandon_subsumed
 -- The unfinished sweep of this scope that a new one covers (subsumes) is closed as abandoned.
@@ -92,7 +99,7 @@ UPDATE pin_nightly.sweep
 RETURNING sweep_id, scope, run_id
 
 -- name: sweep_previous_ranges
--- The ranges of the family's previous sweep, in the order they were queued, when it was
+-- The ranges of the family's previous sweep of the same formula, in the order they were queued, when it was
 -- abandoned unfinished (a newer date's sweep superseded it after its budget ran out, a failure,
 -- a graceful stop): what it left unreached goes first in the new sweep. No row when that sweep
 -- finished.
@@ -100,6 +107,7 @@ SELECT prev.sweep_id, r.range_no, r.lower_id::text AS lower_id, r.upper_id::text
        r.cursor_id::text AS cursor_id, r.wrap_at::text AS wrap_at, r.wrapped, r.status
   FROM (SELECT sweep_id, status FROM pin_nightly.sweep
          WHERE job = %(job)s AND family = %(family)s AND resumable AND sweep_id < %(sweep_id)s
+           AND {common/sweep_variant} = %(variant)s
          ORDER BY sweep_id DESC LIMIT 1) prev
   JOIN pin_nightly.sweep_range r ON r.sweep_id = prev.sweep_id
  WHERE prev.status = 'abandoned'
