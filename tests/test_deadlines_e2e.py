@@ -196,7 +196,7 @@ def test_without_a_base_url_the_message_says_so_instead_of_a_link():
         msg = deadlines.describe("run_over_budget", {"dag_run": run}, 2700, alerts.base_url(conf))
         assert msg["run_url"] == alerts.NO_BASE_URL
         assert msg["description"] == (
-            "the run had not finished 45 min after it was queued (its time budget and a margin)"
+            "the run had not finished 45 min after it started (its time budget and a margin)"
         )
         assert msg["runbook"] == "docs/runbook.md#run_over_budget"
     assert "run_over_budget" in runbook_anchors()

@@ -184,7 +184,7 @@ def test_a_run_with_a_budget_of_its_own_is_over_budget_only_past_it(stack):
             NEWS, {**own, "lock_ttl_minutes": 0.3, "max_run_duration_minutes": 0.2}
         )
         [msg] = helpers.wait_for(lambda: over_budget(late), timeout=120, what="the alert")
-        assert "had not finished 18 s after it was queued" in msg["description"]
+        assert "had not finished 18 s after it started" in msg["description"]
         assert msg["run_state"] in ("queued", "running")
     finally:
         pool(1)

@@ -141,8 +141,10 @@ def test_the_airflow_internals_the_harness_uses_are_there(name):
 
 
 def test_run_over_budget_waits_for_a_runs_own_budget(monkeypatch):
-    """The deadline fires at the DAG's default budget; a run given a larger lock_ttl_minutes is
-    over budget only past its own: reported if still running then, not if it ended before."""
+    """The deadline fires at the DAG's default budget of the run's being queued; a run given a
+    larger lock_ttl_minutes is over budget only past its own, and a run queued behind another
+    only past its budget from its start: reported if still running then, not if it ended
+    before."""
     import asyncio
 
     from pin_nightly import deadlines
@@ -174,6 +176,21 @@ def test_run_over_budget_waits_for_a_runs_own_budget(monkeypatch):
     assert asyncio.run(check(ctx, 2, poll=0.2)) == (False, 3.0)
     assert ctx["dag_run"]["state"] == "running"
     assert deadlines.own_budget_seconds({"dag_run": {"conf": {"lock_ttl_minutes": True}}}) is None
+    # queued 60 s behind another run, started 1 s ago: within its 2 s, and it ends in time
+    late = context(None, 60)
+    late["dag_run"]["start_date"] = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
+    states[:] = ["running", "success"]
+    assert asyncio.run(check(late, 2, poll=0.01)) == (True, 2)
+    # still queued when the deadline fires: its budget starts when it does
+    waiting = context(None, 60)
+    waiting["dag_run"]["start_date"] = None
+    states[:] = ["queued", "queued", "running", "running", "success"]
+    assert asyncio.run(check(waiting, 2, poll=0.01)) == (True, 2)
+    # and one that runs past its budget once started is reported
+    states[:] = ["queued", *["running"] * 1000]
+    over = context(None, 60)
+    over["dag_run"]["start_date"] = None
+    assert asyncio.run(check(over, 0.3, poll=0.05)) == (False, 0.3)
 
 
 def _range(lo, hi, status="pending", cursor=None, wrap_at=None, wrapped=False):

@@ -1,5 +1,6 @@
 """Deadline alerts (Airflow 3's successor of SLA callbacks) for both DAGs: a run must finish
-within its duration budget of being queued (``DAGRUN_QUEUED_AT``), and a scheduled run must
+within its duration budget of starting (the alert is set from ``DAGRUN_QUEUED_AT``; its
+callback waits for a run that queued behind another), and a scheduled run must
 succeed within 26 h of its logical date (``DAGRUN_LOGICAL_DATE``). Intervals come from the
 environment (``PIN_<DAG_ID>_{RUN,STALE}_DEADLINE_SECONDS``: an Airflow Variable that is missing
 would make the creation of every run fail). The callbacks run in the triggerer (``plugins/`` is
@@ -57,7 +58,7 @@ def deadline_alerts(dag_id: str, run_budget_minutes: float) -> list:
 
 # what each deadline means, in one line ({span}: its interval in this deployment)
 MISSED = {
-    "run_over_budget": "the run had not finished {span} after it was queued (its time budget "
+    "run_over_budget": "the run had not finished {span} after it started (its time budget "
     "and a margin)",
     "no_success_26h": "the run had not succeeded {span} after its logical date {logical_date}: "
     "the job's data is stale",
@@ -132,27 +133,39 @@ async def _run_state(dag_id: str, run_id: str) -> str:
     return str(getattr(state, "value", state))  # a DagRunState, or its value
 
 
+def _instant(value: Any) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(str(value))
+
+
+async def _started(dag_id: str, run_id: str, poll: float) -> datetime | None:
+    """When a run still queued (behind another: one run at a time) starts, to a poll; None
+    when it ends without starting."""
+    while (state := await _run_state(dag_id, run_id)) == "queued":
+        await asyncio.sleep(poll)
+    return None if state in FINISHED else datetime.now(UTC)
+
+
 async def within_own_budget(
     context: dict[str, Any], interval_seconds: float | None, poll: float = POLL_SECONDS
 ) -> tuple[bool, float | None]:
-    """For ``run_over_budget``: a run given a larger budget than the DAG's default (its conf's
-    ``lock_ttl_minutes``) is over budget only past its own. Wait (in the triggerer) until then,
-    or until the run finishes; return whether it finished within its own budget, and the
-    interval the alert reports."""
-    own = own_budget_seconds(context)
-    if own is None or interval_seconds is None or own <= interval_seconds:
+    """For ``run_over_budget``: a run's budget counts from when it started running (a run
+    queued behind another waits first, and is not over budget for that), and is the run's
+    own when its conf gives a larger ``lock_ttl_minutes`` than the DAG's default. Wait (in
+    the triggerer) until the run is over that budget, or until it finishes; return whether it
+    finished within it, and the interval the alert reports."""
+    if interval_seconds is None:
         return False, interval_seconds
     run = context["dag_run"]
     dag_id, run_id = run.get("dag_id"), run.get("dag_run_id") or run.get("run_id")
-    queued = datetime.fromisoformat(str(run.get("queued_at") or run.get("run_after")))
-    due = queued + timedelta(seconds=own)
-    log.info(
-        "run %s of %s has a budget of its own (%s): over it after %s",
-        run_id,
-        dag_id,
-        _span(own),
-        due,
-    )
+    own = max(own_budget_seconds(context) or 0.0, interval_seconds)
+    queued = _instant(run.get("queued_at") or run.get("run_after"))
+    started = _instant(run.get("start_date")) if "start_date" in run else queued
+    if started is None and (started := await _started(dag_id, run_id, poll)) is None:
+        return True, own  # it ended (failed, say) before it ever ran: nothing over budget
+    due = max(started, queued) + timedelta(seconds=own)
+    if due <= queued + timedelta(seconds=interval_seconds):
+        return False, interval_seconds
+    log.info("run %s of %s: over its budget (%s) after %s", run_id, dag_id, _span(own), due)
     while (left := (due - datetime.now(UTC)).total_seconds()) > 0:
         state = await _run_state(dag_id, run_id)
         if state in FINISHED:
