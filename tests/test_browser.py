@@ -5,7 +5,8 @@ LocalExecutor, metadata on PostgreSQL) behind the simple auth manager's login.
 Covered: logging in; each DAG's trigger form (every param with its description, bad values
 refused with a visible message and no run created); a news FullSweep triggered from the form,
 its labelled mapped ranges in the grid and the summary in the XCom view; clearing one failed
-mapped range from the UI, which resumes from its cursor; a missed deadline on the run page.
+mapped range from the UI, which resumes from its cursor; a missed deadline on the run page; the
+console's controls, and a page of another port of the host that cannot steer them (CSRF).
 Every step leaves a screenshot in ``test-artifacts/browser/`` (in a subfolder named after
 ``PIN_TEST_ID`` when it is set); the Airflow logs are in ``.airflow/web<PIN_TEST_ID>/``.
 """
@@ -16,7 +17,9 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -579,3 +582,128 @@ def test_the_console_pauses_and_resumes_a_running_sweep(page, browser, stack, sh
         assert response.status == 401 and NEWS not in anonymous.content()
     finally:
         context.close()
+
+
+# A page of another origin of the host (another port of 127.0.0.1: the same site, so the UI's
+# session cookie goes with its requests) that tries to resume the sweep at URL: a form posted as
+# soon as it loads, a JSON fetch (a CORS preflight that the API server does not answer) and a
+# no-cors fetch (text/plain, the only body type it may send).
+ATTACK_HTML = """<!doctype html><html><body>
+<form id='forged' method='post' action='URL' target='sink'>
+<input type='hidden' name='action' value='resume'></form>
+<iframe name='sink'></iframe><p id='fetches'></p>
+<script>
+var out = document.getElementById('fetches');
+fetch('URL', {method: 'POST', credentials: 'include',
+  headers: {'Content-Type': 'application/json'}, body: '{}'})
+  .then(function (r) { out.textContent += 'json fetch answered ' + r.status + '; '; },
+        function () { out.textContent += 'json fetch blocked; '; })
+  .then(function () {
+    return fetch('URL', {method: 'POST', mode: 'no-cors', credentials: 'include',
+      headers: {'Content-Type': 'text/plain'}, body: '{}'});
+  })
+  .then(function () { out.textContent += 'no-cors fetch sent'; });
+document.getElementById('forged').submit();
+</script></body></html>"""
+
+
+class AttackSite:
+    """:data:`ATTACK_HTML` against ``url``, served on a free port of 127.0.0.1."""
+
+    def __init__(self, url: str):
+        body = ATTACK_HTML.replace("URL", url).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/attack.html"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def open_sweep_paused_from_the_console(page, stack) -> int:
+    """A news FullSweep left open (a slow one, its run's budget spent once two batches are
+    done, of twenty), paused from the console's page by the logged-in admin: the sweep's id."""
+    db = stack.news
+    stack.wait_idle([NEWS, CATALOG])
+    db.q("TRUNCATE news.posts, news.comments")
+    db.posts(40, drift_every=1)
+    db.slow_updates(0.2)
+    run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 2, "max_ranges": 1})
+    query = "SELECT coalesce(sum(rows_processed), 0) FROM pin_nightly.sweep_range r "
+    query += "JOIN pin_nightly.sweep s USING (sweep_id) WHERE s.run_id = %s"
+    made = "SELECT to_regclass('pin_nightly.sweep_range') IS NOT NULL"
+    helpers.wait_for(lambda: db.one(made) and db.one(query, run_id) >= 4, timeout=120, poll=0.2)
+    db.q("UPDATE pin_nightly.job_lease SET run_deadline_at = clock_timestamp()")
+    stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000, expect="success")
+    db.allow_updates()
+    (sweep,) = db.q("SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open'")
+    page.goto("/plugin/pin-nightly")
+    section = page.frame_locator("iframe").locator(f"#{NEWS} .sweep").first
+    section.get_by_role("button", name="Pause sweep").click()
+    expect(section).to_contain_text("paused by admin")
+    return sweep[0]
+
+
+def attack(context, resume: str, shots) -> list[tuple[str, int]]:
+    """Open :class:`AttackSite` against the control ``resume`` in the browser ``context`` (the
+    admin's: the UI's session cookie) until its form is answered and its fetches are done; the
+    method and status of each request that reached the control."""
+    site = AttackSite(resume)
+    attacker = context.new_page()
+    posts = []
+    attacker.on(
+        "response", lambda r: r.url == resume and posts.append((r.request.method, r.status))
+    )
+    try:
+        attacker.goto(site.url)
+        expect(attacker.locator("#fetches")).to_have_text("json fetch blocked; no-cors fetch sent")
+        sink = attacker.frame_locator("iframe[name=sink]").locator("body")
+        expect(sink).to_contain_text("Forbidden: the request comes from another site")
+        shots(attacker, "console-csrf-attack-refused")
+    finally:
+        attacker.close()
+        site.close()
+    return posts
+
+
+def test_a_page_of_another_port_cannot_steer_the_console(page, stack, shots):
+    """CSRF in a real browser: while the admin is logged in, a page served from another port
+    of 127.0.0.1 posts a form to the console's resume control, and tries a JSON fetch and a
+    no-cors one. The form and the no-cors fetch reach the console with the admin's session
+    cookie and are refused (403, a foreign origin), the JSON fetch is stopped by the browser;
+    the paused sweep stays paused, with no control written. The page's own button resumes it."""
+    db = stack.news
+    try:
+        sweep = open_sweep_paused_from_the_console(page, stack)
+        shots(page, "console-sweep-paused-before-attack")
+        resume = f"{stack.base}/pin-nightly/api/sweeps/{NEWS}/{sweep}/resume"
+        posts = attack(page.context, resume, shots)
+        assert posts == [("POST", 403), ("POST", 403)], posts  # the admin's, not anonymous (401)
+        control = "SELECT paused, updated_by FROM pin_nightly.sweep_control WHERE sweep_id = %s"
+        assert db.q(control, sweep) == [(True, "admin")]
+        events = "SELECT action FROM pin_nightly.control_event WHERE sweep_id = %s"
+        assert db.q(events, sweep) == [("pause",)]
+
+        page.goto("/plugin/pin-nightly")
+        section = page.frame_locator("iframe").locator(f"#{NEWS} .sweep").first
+        section.get_by_role("button", name="Resume sweep").click()
+        expect(section).to_contain_text("Control: running")
+        assert db.q(control, sweep) == [(False, "admin")]
+        # the sweep run to its end: no open sweep left for another test of the module
+        run_id = stack.trigger(NEWS, {"scope": "FullSweep", "batch_size": 10, "max_ranges": 1})
+        stack.wait_run(NEWS, run_id, timeout=RUN_TIMEOUT / 1000, expect="success")
+        assert db.one("SELECT status FROM pin_nightly.sweep WHERE sweep_id = %s", sweep) == "done"
+    finally:
+        db.allow_updates()

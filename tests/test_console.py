@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.helpers import assert_ok, night, when
+from tests.helpers import assert_ok, run_night, when
 from tools.rundag import run_dag
 from tools.stack import free_port
 
@@ -52,16 +52,46 @@ def api():
         manager = api_app.get_auth_manager()
         assert isinstance(manager, OneDagAuthManager)
 
-        def token(username: str, role: str | None) -> dict[str, str]:
-            jwt = manager.generate_jwt(SimpleAuthManagerUser(username=username, role=role))
-            return {"Authorization": f"Bearer {jwt}"}
+        def jwt(username: str, role: str | None) -> str:
+            return manager.generate_jwt(SimpleAuthManagerUser(username=username, role=role))
 
-        client.token = token
+        def token(username: str, role: str | None) -> dict[str, str]:
+            return {"Authorization": f"Bearer {jwt(username, role)}"}
+
+        client.jwt, client.token = jwt, token
         yield client
         api_app.purge_cached_app()
 
 
 ADMIN = ("admin", "admin")
+
+
+def csrf(page: str) -> str:
+    """The CSRF token the console's page embeds."""
+    (token,) = re.findall(r"<meta name='csrf-token' content='([0-9a-f]{64})'>", page)
+    return token
+
+
+def with_csrf(api, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` and the CSRF token of the page the user loads with them (the client keeps
+    the console's nonce cookie, as a browser does)."""
+    page = api.get("/pin-nightly/", headers=headers)
+    assert page.status_code == 200, page.text
+    return {**headers, "X-CSRF-Token": csrf(page.text)}
+
+
+def browser(api, user=ADMIN):
+    """A client holding what a browser logged in as ``user`` holds once it loaded the console's
+    page (the UI's session cookie, the auth manager's JWT, and the console's nonce), and the
+    page's CSRF token."""
+    from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+    from fastapi.testclient import TestClient
+
+    client = TestClient(api.app)
+    client.cookies.set(COOKIE_NAME_JWT_TOKEN, api.jwt(*user))
+    page = client.get("/pin-nightly/")
+    assert page.status_code == 200, page.text
+    return client, csrf(page.text)
 
 
 def jobs(api, user=ADMIN) -> dict[str, dict]:
@@ -144,7 +174,7 @@ def test_a_catalog_run_shows_its_nights(api, catalog_db):
     for days, views in ((3, 100), (2, 125), (1, 125)):  # a history: the score changes tonight
         catalog_db.seed_snapshot(cid, as_of - timedelta(days=days), views)
     catalog_db.card(views=5, kind="Project")
-    r = run_dag(CATALOG, {}, logical_date=night(as_of))
+    r = run_night(CATALOG, {}, as_of)  # the job's clock as of that night
     s = assert_ok(r)
     cat = jobs(api)[CATALOG]
     assert cat["state"] == "ok" and cat["conn_id"] == "catalog_db"
@@ -300,7 +330,8 @@ def test_controls_are_given_by_editors_only_and_refused_with_a_reason(api, news_
     admin = api.token(*ADMIN)
 
     def post(action, who=admin, body=None):
-        return api.post(f"{url}/{action}", headers=who, json=body or {})
+        headers = with_csrf(api, who) if who else who
+        return api.post(f"{url}/{action}", headers=headers, json=body or {})
 
     assert post("pause", who={}).status_code == 401
     for who in (api.token("viewer1", "viewer"), api.token(NEWS_READER, "viewer")):
@@ -319,10 +350,8 @@ def test_controls_are_given_by_editors_only_and_refused_with_a_reason(api, news_
     r = post("settings", body={"settings": {"batch_size": 0}})
     assert r.status_code == 422 and "batch_size" in r.json()["detail"]
     assert post("halt").status_code == 422
-    assert (
-        api.post(f"/pin-nightly/api/sweeps/other_dag/{sweep}/pause", headers=admin).status_code
-        == 404
-    )
+    other = f"/pin-nightly/api/sweeps/other_dag/{sweep}/pause"
+    assert api.post(other, headers=with_csrf(api, admin), json={}).status_code == 404
     assert post("resume").status_code == 200
     assert news_db.q(
         "SELECT action, given_by FROM pin_nightly.control_event ORDER BY given_at"
@@ -331,6 +360,101 @@ def test_controls_are_given_by_editors_only_and_refused_with_a_reason(api, news_
     assert_ok(run_dag(NEWS, {"scope": "FullSweep", "batch_size": 10, "max_ranges": 1}))
     r = post("pause")
     assert r.status_code == 409 and "not open" in r.json()["detail"]
+
+
+FOREIGN = "http://127.0.0.1:8081"  # the origin of a page on another port of the host
+REASONS = {415: "Unsupported Media Type", 403: "Forbidden", 422: "not a JSON object"}
+CONTROL_ROW = (
+    "SELECT paused, settings, updated_by, updated_at FROM pin_nightly.sweep_control "
+    "WHERE sweep_id = %s"
+)
+
+
+def forged_requests(api, client, token: str) -> dict[str, tuple[int, dict]]:
+    """What another site's page sends (or a request lacking what the console's page sends)
+    through ``client``, the admin's browser holding ``token``: each with the status it gets."""
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    from pin_nightly import console
+
+    own = {"Origin": "http://testserver", "X-CSRF-Token": token}
+    admin2 = SimpleAuthManagerUser(username="admin2", role="admin")
+    other_user = console.csrf_token(admin2, client.cookies[console.CSRF_COOKIE])
+    as_json = {"Content-Type": "application/json"}
+    return {
+        "a cross-site form": (415, {"data": {"action": "resume"}}),
+        "a multipart form": (415, {"files": {"action": (None, "resume")}}),
+        "a no-cors fetch": (415, {"content": b"{}", "headers": {"Content-Type": "text/plain"}}),
+        "a form with the token": (415, {"data": {"a": "b"}, "headers": {"X-CSRF-Token": token}}),
+        "a foreign Origin": (403, {"json": {}, "headers": {**own, "Origin": FOREIGN}}),
+        "an opaque Origin": (403, {"json": {}, "headers": {**own, "Origin": "null"}}),
+        "a foreign Referer": (
+            403,
+            {"json": {}, "headers": {"X-CSRF-Token": token, "Referer": f"{FOREIGN}/a.html"}},
+        ),
+        "no token": (403, {"json": {}, "headers": {"Origin": "http://testserver"}}),
+        "a wrong token": (403, {"json": {}, "headers": {**own, "X-CSRF-Token": "0" * 64}}),
+        "another session's token": (
+            403,
+            {"json": {}, "headers": {"X-CSRF-Token": browser(api)[1]}},
+        ),
+        "another user's token": (403, {"json": {}, "headers": {"X-CSRF-Token": other_user}}),
+        "a body that is no object": (422, {"content": b"[]", "headers": {**own, **as_json}}),
+    }
+
+
+def test_no_other_page_can_steer_a_sweep(api, news_db):
+    """CSRF, over HTTP as a browser sends it (the UI's session cookie): a control needs a JSON
+    body, the page's CSRF token and, where the request names one, the console's own origin. A
+    forged form (urlencoded or multipart, the cookie only), a no-cors fetch (text/plain), a
+    foreign Origin or Referer with a valid token, a missing or wrong token, another session's
+    or another user's token are each refused with a plain reason, and the paused sweep's
+    control row is unchanged; the page's own request resumes it."""
+    from tests.helpers import budget_spent_after_each_batch
+
+    news_db.posts(4, drift_every=1)
+    with budget_spent_after_each_batch(news_db):
+        assert_ok(run_dag(NEWS, {"scope": "FullSweep", "batch_size": 1, "max_ranges": 1}))
+    sweep = news_db.one("SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open'")
+    url = f"/pin-nightly/api/sweeps/{NEWS}/{sweep}"
+    client, token = browser(api)
+    own = {"Origin": "http://testserver", "X-CSRF-Token": token}
+    r = client.post(f"{url}/pause", headers=own, json={})
+    assert r.status_code == 200 and r.json()["control"]["paused"] is True, r.text
+    paused = news_db.q(CONTROL_ROW, sweep)
+    assert paused[0][:3] == (True, {}, "admin")
+
+    for what, (status, request) in forged_requests(api, client, token).items():
+        r = client.post(f"{url}/resume", **request)
+        assert r.status_code == status, (what, r.status_code, r.text)
+        assert REASONS[status] in r.json()["detail"], (what, r.text)
+        assert news_db.q(CONTROL_ROW, sweep) == paused, what
+    # the token alone, without the browser session's nonce cookie: refused as well
+    r = api.post(f"{url}/resume", headers={**api.token(*ADMIN), "X-CSRF-Token": token}, json={})
+    assert r.status_code == 403 and "CSRF token" in r.json()["detail"]
+    assert news_db.q(CONTROL_ROW, sweep) == paused
+    events = "SELECT action FROM pin_nightly.control_event WHERE sweep_id = %s"
+    assert news_db.q(events, sweep) == [("pause",)]
+
+    # the page's own request (JSON with a charset, the token, its origin) resumes the sweep
+    headers = {**own, "Content-Type": "application/json; charset=utf-8"}
+    r = client.post(f"{url}/resume", headers=headers, content=b"{}")
+    assert r.status_code == 200 and r.json()["control"]["paused"] is False, r.text
+    assert news_db.q(CONTROL_ROW, sweep)[0][:3] == (False, {}, "admin")
+
+
+def test_the_page_sends_its_csrf_token_and_keeps_its_session_nonce(api):
+    """The page embeds a token of the browser session's nonce (an HttpOnly cookie for the
+    console's path, set once), and its controls send it in the header the console checks."""
+    from pin_nightly import console
+
+    client, token = browser(api)
+    (cookie,) = [c for c in client.cookies.jar if c.name == console.CSRF_COOKIE]
+    assert cookie.path == "/pin-nightly" and cookie.has_nonstandard_attr("HttpOnly")
+    again = client.get("/pin-nightly/")
+    assert console.CSRF_COOKIE not in again.headers.get("set-cookie", "")
+    assert csrf(again.text) == token
+    assert "'X-CSRF-Token': csrf" in again.text
 
 
 def test_a_task_process_loads_the_plugin_without_building_the_console():

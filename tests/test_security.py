@@ -3,6 +3,8 @@
 - Both DAGs run to a correct result as login users that hold only the roles of
   include/sql/schema/roles.sql, and those users cannot do what the jobs must not do.
 - No credentials in the repository; no SQL built from values on the Python side.
+- Every request of the console that changes state goes through its CSRF checks (what they
+  refuse: tests/test_console.py and tests/test_browser.py).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from tests import conftest
-from tests.helpers import assert_ok, night
+from tests.helpers import assert_ok, run_night
 from tools.devenv import REPO, admin_dsn, airflow_connection, run_sql_file
 from tools.rundag import run_dag
 
-D = date(2026, 8, 31)  # a Monday, far enough back that every night a test runs is past
+D = date(2026, 8, 31)  # a Monday: the catalog runs are of that night, the job's clock set to it
 SUFFIX = re.sub(r"\W", "_", conftest.SUFFIX).lower()
 INSUFFICIENT_PRIVILEGE = "42501"
 # the group roles are cluster-wide: one worker creates and drops them
@@ -224,10 +226,10 @@ def test_catalog_dag_runs_as_the_job_role_and_the_role_cannot_do_more(catalog_jo
         db.seed_snapshot(a, D - timedelta(days=days), views)
     db.seed_snapshot(p, D - timedelta(days=1), 5, kind="Project")
     db.seed_snapshot(p, D - timedelta(days=40), 1, kind="Project")  # to be pruned
-    s = assert_ok(run_dag("catalog_popularity_recompute", {}, logical_date=night(D)))
+    s = assert_ok(run_night("catalog_popularity_recompute", {}, D))
     assert db.score(a) == Decimal("30.5084") and db.score(p, "Project") == 15
     assert s["snapshots_written"] == 2 and s["snapshots_pruned"] == 1
-    s = assert_ok(run_dag("catalog_popularity_recompute", {}, logical_date=night(D)))
+    s = assert_ok(run_night("catalog_popularity_recompute", {}, D))
     assert s["property_object_cards_updated"] == 0  # re-run: upserts, nothing changes
     with psycopg.connect(dsn) as conn:
         _allowed(conn, "SELECT id FROM catalog.project_cards FOR UPDATE")
@@ -407,3 +409,29 @@ def test_table_names_come_only_from_the_constant():
     for bad in ("Project; DROP TABLE news.posts", "catalog.project_cards", ""):
         with pytest.raises(KeyError):
             catalog.card_sql("lock", bad)
+
+
+# --- the console's requests that change state ---------------------------------------------------
+
+
+def _dependencies(dependant):
+    for dep in dependant.dependencies:
+        yield dep.call
+        yield from _dependencies(dep)
+
+
+def test_every_state_changing_request_of_the_console_is_checked():
+    """Each route of the console's app that is not a GET depends on its CSRF checks
+    (console.check_state_change, through ``state_change``), a control added later too; the
+    app holds routes only (no mounted app that would bypass them)."""
+    from fastapi.routing import APIRoute
+
+    from pin_nightly import console
+
+    app = console.create_app()
+    assert all(isinstance(r, APIRoute) for r in app.routes), app.routes
+    changing = [r for r in app.routes if r.methods - {"GET", "HEAD"}]
+    assert [r.path for r in changing] == ["/api/sweeps/{dag_id}/{sweep_id}/{action}"]
+    for route in changing:
+        calls = [getattr(c, "__name__", "") for c in _dependencies(route.dependant)]
+        assert "state_change" in calls, (route.path, calls)

@@ -7,17 +7,26 @@ budget), the item errors still open with the conf of a targeted repair, the leas
 pacing signals now against their limits. It reads through a session set read-only
 (``default_transaction_read_only``), on the Airflow connection ``<conn_id>_readonly`` where one
 is defined, else the job's own. The API server serves it; only the DAGs the auth manager lets
-the user read are shown (docs/operations.md, "The console").
+the user read are shown (docs/operations.md, "The console"). A request that changes state (a
+control) is taken only with what a page of another site cannot send: a JSON body, the page's
+CSRF token, and the console's own origin where the browser names one
+(:func:`check_state_change`).
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations, and
 # their types are imported inside create_app (the plugin loads in every Airflow process, see App).
+import email.message
 import functools
+import hashlib
+import hmac
 import html
 import json
 import logging
+import re
+import secrets
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from pin_nightly import controls, health, sweeps
 from pin_nightly.db import (
@@ -43,6 +52,11 @@ ERRORS_SHOWN = 200  # open item errors listed per job at most
 STATEMENT_TIMEOUT = "10s"  # the console's statements are small; none may weigh on the server
 READONLY_SUFFIX = "_readonly"
 URL_PREFIX = "/pin-nightly"  # where the API server mounts the console's app
+CSRF_HEADER = "X-CSRF-Token"  # the page's requests that change state carry its token here
+CSRF_COOKIE = "pin_nightly_csrf"  # the browser session's nonce that the token is bound to
+CSRF_NONCE = re.compile(r"[A-Za-z0-9_-]{43}")  # secrets.token_urlsafe(32)
+JSON_TYPE = "application/json"
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 # The job-owned columns the console reads: a database without one of them has an older schema
 # than this release (include/sql/schema/pin_nightly.sql brings it up to date).
@@ -303,6 +317,111 @@ def give_control(user, dag_id: str, sweep_id: int, action: str, settings) -> con
         return controls.give(conn, job, sweep_id, action, user.get_name(), settings)
 
 
+# ------------------------------------------------------------------------------- cross-site
+
+
+class Refused(Exception):
+    """A state-changing request refused before anything is written (HTTP ``status``)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _csrf_key() -> bytes:
+    """The server secret the CSRF tokens are signed with: the API server's ``[api]
+    secret_key``, the same in every API server process of a deployment."""
+    from airflow.api_fastapi.auth.tokens import get_signing_key
+
+    return get_signing_key("api", "secret_key").encode()
+
+
+def csrf_token(user, nonce: str) -> str:
+    """The page's CSRF token for ``user`` in the browser session whose :data:`CSRF_COOKIE` is
+    ``nonce``: an HMAC of both with the server secret (OWASP's signed double-submit cookie).
+    Another site's page can neither read it from the console's page nor compute it."""
+    message = f"pin-nightly console csrf\0{user.get_id()}\0{nonce}".encode()
+    return hmac.new(_csrf_key(), message, hashlib.sha256).hexdigest()
+
+
+def csrf_nonce(cookies) -> str | None:
+    """The browser session's nonce (:data:`CSRF_COOKIE`), None when it has none."""
+    nonce = cookies.get(CSRF_COOKIE)
+    return nonce if nonce and CSRF_NONCE.fullmatch(nonce) else None
+
+
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """The scheme, host and port of ``url`` (an ``Origin`` or a ``Referer``); None for one
+    that names none (``null``, a ``file:`` page)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname:
+        return None
+    return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]
+
+
+def foreign_origin(request) -> bool:
+    """Whether the request's ``Origin`` (its ``Referer`` when it has none) is another site's:
+    neither the request's own (its scheme and ``Host``) nor the UI's address (``[api]
+    base_url``, as a proxy in front of the API server serves it). A request naming neither is
+    left to the CSRF token."""
+    from airflow.configuration import conf
+
+    sent = request.headers.get("origin")
+    if sent is None:
+        sent = request.headers.get("referer")
+        if sent is None:
+            return False
+    own = {_origin(str(request.url)), _origin(conf.get("api", "base_url", fallback="") or "")}
+    return _origin(sent) not in own - {None}
+
+
+def media_type(value: str | None) -> str:
+    """The media type of a ``Content-Type`` header, parameters left out (``text/plain`` for
+    none or one that does not parse, as RFC 2045 has it)."""
+    message = email.message.Message()
+    message["content-type"] = value or ""
+    return message.get_content_type()
+
+
+async def check_state_change(request, user) -> dict[str, Any]:
+    """The JSON object a state-changing request of ``user`` carries, once it holds what a page
+    of another site cannot send; :class:`Refused` otherwise, before anything is written: a
+    foreign ``Origin`` or ``Referer`` (403), a body that is not ``application/json`` (415: a
+    form, multipart or ``text/plain``, what a cross-site form or a no-cors fetch sends), a
+    missing or wrong CSRF token (403), a body that is not a JSON object (422)."""
+    if foreign_origin(request):
+        raise Refused("Forbidden: the request comes from another site's page", 403)
+    if media_type(request.headers.get("content-type")) != JSON_TYPE:
+        raise Refused(f"Unsupported Media Type: the console takes {JSON_TYPE} only", 415)
+    nonce, sent = csrf_nonce(request.cookies), request.headers.get(CSRF_HEADER, "")
+    if nonce is None or not hmac.compare_digest(sent.encode(), csrf_token(user, nonce).encode()):
+        raise Refused(
+            f"Forbidden: the CSRF token ({CSRF_HEADER}) is missing or wrong; reload the page", 403
+        )
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise Refused("the body is not a JSON object", 422)
+    return body
+
+
+def with_csrf_cookie(request, response, nonce: str):
+    """``response`` setting the browser session's nonce, as the API server sets its own
+    session cookie (HttpOnly, SameSite=Lax, Secure over HTTPS), for the console's path."""
+    from airflow.configuration import conf
+
+    secure = request.url.scheme == "https" or bool(conf.get("api", "ssl_cert", fallback=""))
+    path = request.scope.get("root_path") or "/"
+    response.set_cookie(CSRF_COOKIE, nonce, path=path, httponly=True, secure=secure, samesite="lax")
+    return response
+
+
 # ------------------------------------------------------------------------------- the page
 
 
@@ -520,8 +639,10 @@ section.job{border-top:2px solid #ddd}
 """
 
 
-# The control forms post JSON (a cross-site form cannot) and reload the page with the answer.
+# The control forms post JSON with the page's CSRF token (a cross-site form can send neither)
+# and reload the page with the answer.
 CONTROL_JS = """
+var csrf = document.querySelector('meta[name=csrf-token]').content;
 document.querySelectorAll('form.control').forEach(function (form) {
   form.addEventListener('submit', function (ev) {
     ev.preventDefault();
@@ -532,7 +653,8 @@ document.querySelectorAll('form.control').forEach(function (form) {
       body.settings[form.setting.value] = v === 'true' ? true : v === 'false' ? false : n;
     }
     fetch(form.dataset.url + '/' + action, {method: 'POST', credentials: 'same-origin',
-      headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)})
+      headers: {'Content-Type': 'application/json', 'X-CSRF-Token': csrf},
+      body: JSON.stringify(body)})
       .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
       .then(function (a) {
         form.querySelector('.result').textContent = a[0] ? 'done' : a[1].detail;
@@ -562,11 +684,13 @@ document.querySelectorAll('form.repair').forEach(function (form) {
 """
 
 
-def page_html(states: list[dict[str, Any]]) -> str:
+def page_html(states: list[dict[str, Any]], csrf: str) -> str:
+    """The page; ``csrf`` is its CSRF token (:func:`csrf_token`), which its controls send."""
     sections = "".join(job_html(s) for s in states)
     at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>pin-nightly</title>"
+        f"<meta name='csrf-token' content='{_e(csrf)}'>"
         f"<style>{STYLE}</style><script src='static/plotly.min.js'></script></head><body>"
         f"<h1>pin-nightly</h1><p class='muted'>Read at {at}, read-only. Reload to refresh.</p>"
         f"{sections}<script>{CONTROL_JS}{REPAIR_JS}</script></body></html>"
@@ -620,6 +744,7 @@ def _states(user) -> list[dict[str, Any]]:
 
 def _add_pages(app) -> None:
     from airflow.api_fastapi.core_api.security import GetUserDep
+    from fastapi import Request
     from fastapi.encoders import jsonable_encoder
     from fastapi.responses import HTMLResponse, JSONResponse, Response
 
@@ -628,8 +753,13 @@ def _add_pages(app) -> None:
         return JSONResponse(jsonable_encoder({"jobs": _states(user)}))
 
     @app.get("/", response_class=HTMLResponse)
-    def page(user: GetUserDep) -> HTMLResponse:
-        return HTMLResponse(page_html(_states(user)))
+    def page(request: Request, user: GetUserDep) -> HTMLResponse:
+        nonce = csrf_nonce(request.cookies)
+        if nonce is not None:
+            return HTMLResponse(page_html(_states(user), csrf_token(user, nonce)))
+        nonce = secrets.token_urlsafe(32)
+        page = HTMLResponse(page_html(_states(user), csrf_token(user, nonce)))
+        return with_csrf_cookie(request, page, nonce)
 
     @app.get("/static/plotly.min.js")
     def plotly() -> Response:
@@ -638,12 +768,20 @@ def _add_pages(app) -> None:
 
 
 def _add_controls(app) -> None:
+    """The controls: every request that changes state depends on ``state_change``
+    (:func:`check_state_change`), so that none is taken without its checks."""
     from typing import Annotated
 
     from airflow.api_fastapi.core_api.security import GetUserDep
-    from fastapi import Body, HTTPException
+    from fastapi import Depends, HTTPException, Request
     from fastapi.encoders import jsonable_encoder
     from fastapi.responses import JSONResponse
+
+    async def state_change(request: Request, user: GetUserDep) -> dict[str, Any]:
+        try:
+            return await check_state_change(request, user)
+        except Refused as exc:
+            raise HTTPException(exc.status, str(exc)) from None
 
     @app.post("/api/sweeps/{dag_id}/{sweep_id}/{action}")
     def control(
@@ -651,10 +789,10 @@ def _add_controls(app) -> None:
         sweep_id: int,
         action: str,
         user: GetUserDep,
-        body: Annotated[dict | None, Body()] = None,
+        body: Annotated[dict[str, Any], Depends(state_change)],
     ) -> JSONResponse:
         try:
-            settings = (body or {}).get("settings")
+            settings = body.get("settings")
             given = give_control(user, dag_id, sweep_id, action, settings)
         except controls.ControlError as exc:
             raise HTTPException(exc.status, str(exc)) from None
