@@ -22,7 +22,7 @@ from tests.helpers import (
     reference_popularity_score,
     run_night,
 )
-from tools.rundag import clear_and_resume, run_dag
+from tools.rundag import clear_and_resume, return_values, run_dag
 
 CATALOG = "catalog_popularity_recompute"
 NEWS = "news_comment_reconcile"
@@ -234,7 +234,9 @@ def test_a_late_clear_of_an_old_range_whose_sweep_is_still_open_writes_nothing(
     assert r["state"] == "success", r["tasks"]
     after = db.q("SELECT card_id, run_date, cumulative_views FROM catalog.popularity_daily_views")
     assert sorted(after) == sorted(before)
-    assert r["summary"]["status"].startswith("nothing written: superseded by the run"), r
+    [done] = return_values(CATALOG, night_d["run_id"], "recompute_property_objects")
+    assert done["status"] == "superseded", done
+    assert done["superseded_by"].startswith("superseded by the run"), done
 
 
 def test_a_catch_up_of_missed_nights_is_refused_whatever_its_run_type(

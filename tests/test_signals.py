@@ -52,7 +52,7 @@ def test_drift_counts_what_was_durably_corrected_and_only_nightly_runs_set_its_g
     db.posts(6, drift_every=1)
     inject(monkeypatch, "pin_nightly.news.make_batch", "mid_batch")
     failed = nightly(D + timedelta(1))
-    assert failed["state"] == "failed" and failed["tasks"]["summarize"] == "upstream_failed"
+    assert failed["state"] == "failed" and failed["tasks"]["summarize"] == "failed"
     assert db.drifted_posts() == 4  # its first batch committed
     monkeypatch.undo()
     adopter = nightly(D + timedelta(2))
@@ -213,7 +213,7 @@ def test_a_run_that_dies_mid_sweep_and_the_next_count_each_direction_once(news_d
     drifted(db, ups=4, downs=2)
     inject(monkeypatch, "pin_nightly.news.make_batch", "mid_batch")
     failed = nightly(D + timedelta(1))
-    assert failed["state"] == "failed" and failed["tasks"]["summarize"] == "upstream_failed"
+    assert failed["state"] == "failed" and failed["tasks"]["summarize"] == "failed"
     # its first batch committed one correction of each sign, which its summary never counted
     assert db.q(UP_DOWN + " AND run_id = %s", failed["run_id"]) == [(1, 1)]
     assert not db.q("SELECT 1 FROM pin_nightly.run_signal WHERE run_id = %s", failed["run_id"])

@@ -87,7 +87,10 @@ def plan(run: Run, part: str | None = None) -> list[dict[str, Any]]:
         p = run.job.tonight(conn, run, part)
         if p is None:
             return []
-        sweep = sweeps.open_sweep(conn, p.spec, run.lease, run.run_id, p.worker.plan)
+        # the run's lease, taken again if it is gone (a planning task cleared after its run's
+        # summary released it); opened under its fence
+        lease = leases.rejoin(conn, run.held())
+        sweep = sweeps.open_sweep(conn, p.spec, lease, run.run_id, p.worker.plan)
     out = sweeps.range_descriptors(sweep, p.prefix)
     for r in out:
         r["budget_share"] = p.share
@@ -169,8 +172,9 @@ def summarize(run: Run, failed_tasks: int = 0, **given: Any) -> dict[str, Any]:
     line) and its signals, sent once per acquisition. ``status`` is ``success`` only when no
     work is left: ``backlog_remaining`` whenever a sweep is unfinished after the run, whichever
     run left it; the job may say more (:meth:`~pin_nightly.jobs.Job.settle`). It runs after
-    the work whatever became of it: ``failed_tasks`` of the run failed (a range that failed for
-    the whole database), then the run is counted and logged, and the summary fails."""
+    the work whatever became of it: when ``failed_tasks`` of the run failed (a range that failed
+    for the whole database), the run is counted and logged but sends no signals, and the
+    summary fails."""
     job = run.job
     result = {**new_result(run), **job.result(run, **given)}
     signals = None
@@ -180,7 +184,10 @@ def summarize(run: Run, failed_tasks: int = 0, **given: Any) -> dict[str, Any]:
             log.warning("%s: %s; this run did nothing", job.code, LOCK_HELD)
         else:
             _count_run(conn, run, result, failed_tasks)
-            if not run.dry_run:  # a dry run sends nothing
+            # a dry run sends nothing; a run some of whose tasks failed is logged, and its
+            # signals are sent by the acquisition that finishes its work (its clear, or the
+            # run that adopts its sweep), so that a spike split across them is seen whole
+            if not run.dry_run and not failed_tasks:
                 signals = summary_signals(conn, run, functools.partial(job.signals, run, result))
         write_run_log(conn, run, result)
         if signals is not None:  # a real run that held the lease

@@ -86,9 +86,16 @@ def _run_tasks(job: jobs.Job, pool: str) -> tuple:
     return validate_options, acquire_lease, release_lease, publish
 
 
+FAILED_STATES = ["failed", "upstream_failed"]
+
+
 def _work_tasks(job: jobs.Job, pool: str) -> tuple:
     """The planning and range tasks of a pass, the retention and the summary."""
     from airflow.sdk import get_current_context, task
+
+    # the tasks before the summary, whose failure fails the run
+    work_ids = [t for _, plan_id, work_id in job.passes for t in (plan_id, work_id)]
+    work_ids += ["retention"] if job.retention_task else []
 
     @task(pool=pool)
     def plan(opts: dict, lease: dict, kind: str | None, run_id=None) -> list[dict]:
@@ -115,7 +122,7 @@ def _work_tasks(job: jobs.Job, pool: str) -> tuple:
         lease = ti.xcom_pull(task_ids="acquire_lease")
         pruned = ti.xcom_pull(task_ids="retention") if job.retention_task else None
         failed = ti.get_ti_count(
-            dag_id=ti.dag_id, run_ids=[run_id], states=["failed", "upstream_failed"]
+            dag_id=ti.dag_id, task_ids=work_ids, run_ids=[run_id], states=FAILED_STATES
         )
         run = runs.Run.of(job, opts, run_id, lease)
         return runs.summarize(run, failed_tasks=failed, pruned=pruned)

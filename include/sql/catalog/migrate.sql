@@ -33,7 +33,7 @@ SELECT {common/today} AS today,
   FROM (SELECT 1) AS one
   LEFT JOIN (SELECT c.convalidated,
                     regexp_match(pg_get_constraintdef(c.oid),
-                                 '([0-9]{4}-[0-9]{2}-[0-9]{2}).*([0-9]{4}-[0-9]{2}-[0-9]{2})')
+                                 '(\d\d\d\d-\d\d-\d\d).*(\d\d\d\d-\d\d-\d\d)')
                         AS bounds
                FROM pg_constraint c
               WHERE c.conrelid = 'catalog.popularity_daily_views'::regclass
@@ -91,9 +91,9 @@ BEGIN
            greatest(max(run_date), {common/today}) + 1
                + current_setting('pin_nightly.upgrade_room')::integer
       INTO lo, hi FROM catalog.popularity_daily_views;
-    EXECUTE format('ALTER TABLE catalog.popularity_daily_views ADD CONSTRAINT '
-                   'popularity_daily_views_legacy_range CHECK (run_date >= %L::date '
-                   'AND run_date < %L::date) NOT VALID', lo, hi);
+    EXECUTE 'ALTER TABLE catalog.popularity_daily_views ADD CONSTRAINT '
+            'popularity_daily_views_legacy_range CHECK (run_date >= ' || quote_literal(lo)
+            || '::date AND run_date < ' || quote_literal(hi) || '::date) NOT VALID';
 END
 $check$
 
