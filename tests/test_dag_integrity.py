@@ -87,3 +87,59 @@ def test_no_function_of_the_package_is_longer_than_40_lines():
                 if lines > 40:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines})")
     assert not long, long
+
+
+# Each DAG's structure: every task's downstream task ids, and which are the lease's setup and
+# teardown. Written out, not derived: a change to the wiring is a change to this table.
+STRUCTURE = {
+    "news_comment_reconcile": {
+        "validate_options": {"acquire_lease", "plan_ranges", "reconcile_range", "summarize"},
+        "acquire_lease": {"plan_ranges", "reconcile_range", "release_lease"},
+        "plan_ranges": {"reconcile_range", "summarize"},
+        "reconcile_range": {"summarize"},
+        "summarize": {"release_lease", "publish"},
+        "release_lease": set(),
+        "publish": set(),
+    },
+    "catalog_popularity_recompute": {
+        "validate_options": {
+            "acquire_lease",
+            "plan_property_objects",
+            "recompute_property_objects",
+            "plan_projects",
+            "recompute_projects",
+            "retention",
+            "summarize",
+        },
+        "acquire_lease": {
+            "plan_property_objects",
+            "recompute_property_objects",
+            "plan_projects",
+            "recompute_projects",
+            "release_lease",
+        },
+        "plan_property_objects": {"recompute_property_objects", "retention", "summarize"},
+        "recompute_property_objects": {"plan_projects", "retention", "summarize"},
+        "plan_projects": {"recompute_projects", "retention", "summarize"},
+        "recompute_projects": {"retention", "summarize"},
+        "retention": {"summarize"},
+        "summarize": {"release_lease", "publish"},
+        "release_lease": set(),
+        "publish": set(),
+    },
+}
+TRIGGER_RULES = {"retention": "all_done", "summarize": "all_done"}
+
+
+@pytest.mark.parametrize("dag_id", sorted(STRUCTURE))
+def test_each_dag_has_its_structure(bag, dag_id):
+    """Every task's downstream ids; acquire_lease the only setup, release_lease the only
+    teardown; retention and the summary run once the work is done, whatever became of it."""
+    dag = bag.get_dag(dag_id)
+    assert {t.task_id: set(t.downstream_task_ids) for t in dag.tasks} == STRUCTURE[dag_id]
+    assert [t.task_id for t in dag.tasks if t.is_setup] == ["acquire_lease"]
+    assert [t.task_id for t in dag.tasks if t.is_teardown] == ["release_lease"]
+    for task in dag.tasks:
+        rule = str(getattr(task.trigger_rule, "value", task.trigger_rule))
+        expected = "all_done_setup_success" if task.is_teardown else "all_success"
+        assert rule == TRIGGER_RULES.get(task.task_id, expected), (task.task_id, rule)
