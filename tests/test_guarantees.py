@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 
+from pin_nightly import catalog
 from tests.helpers import (
     assert_ok,
     failed_tasks,
@@ -264,3 +266,42 @@ def test_a_late_summary_of_a_night_that_wrote_keeps_its_status(catalog_db):
     [(status, _)] = db.q(q, night_d["run_id"])
     assert status == before == "success", status
     assert 0 <= int(duration) < 600_000  # the database's clock on both ends
+
+
+def test_a_paused_sweep_writes_nothing_not_even_the_rows_it_takes_first(catalog_db):
+    """Night D's pass stops at its budget with a card it found locked remembered; an operator
+    pauses the open pass; a run of D adopts it: while paused it writes nothing, not even the
+    remembered card a range takes before its batches, and it holds no lock."""
+    from pin_nightly import controls
+    from pin_nightly.db import connection
+    from tests.helpers import budget_spent_after_each_batch
+
+    db = catalog_db
+    d = db.today() - timedelta(days=2)
+    db.set_today(d)
+    cards = sorted(db.card(views=10 + i) for i in range(6))
+    hot = psycopg.connect(db.dsn)
+    hot.execute("SELECT 1 FROM catalog.property_object_cards WHERE id = %s FOR UPDATE", (cards[1],))
+    conf = {"batch_size": 2, "max_ranges": 1}
+    with budget_spent_after_each_batch(db):
+        first = assert_ok(run_night(CATALOG, conf, d))
+    hot.rollback()
+    hot.close()
+    assert first["status"] == "backlog_remaining", first
+    assert db.q("SELECT card_id::text FROM pin_nightly.popularity_skipped_card") == [(cards[1],)]
+    sweep = db.one(
+        "SELECT sweep_id FROM pin_nightly.sweep WHERE status = 'open' AND family = 'PropertyObject'"
+    )
+    with connection("catalog_db") as conn:
+        controls.give(conn, catalog.JOB, sweep, "pause", "anna", {})
+    before = snapshots_of(db)
+    stalled = run_dag(
+        CATALOG,
+        {**conf, "max_run_duration_minutes": 0.05},
+        logical_date=night(d) + timedelta(hours=1),
+    )
+    assert stalled["state"] == "success", stalled["tasks"]
+    assert [s for s in snapshots_of(db) if s[0] in cards and s[1] == d] == [
+        s for s in before if s[0] in cards and s[1] == d
+    ], "a paused sweep wrote a card"
+    assert db.q("SELECT card_id::text FROM pin_nightly.popularity_skipped_card") == [(cards[1],)]

@@ -632,10 +632,13 @@ def _batch_attributes(b: Batch | None) -> dict[str, Any]:
 
 def _retry_skipped(work: _Range, skipped: list[str], stop, first: bool = False) -> Counters:
     """Take each skipped row once more (``first``: each remembered row), waiting at most
-    :data:`RETRY_LOCK_TIMEOUT_MS` for its lock and pacing before each as before a batch; what
-    the rows taken add to the counters."""
+    :data:`RETRY_LOCK_TIMEOUT_MS` for its lock, and before each, as before a batch, waiting
+    while the sweep is paused and pacing; what the rows taken add to the counters."""
     done = Counters()
     for row_id in skipped:
+        ctl = work.control()  # a paused sweep writes nothing, its retries included
+        if ctl.paused and work.wait_resumed(ctl, stop) is None:
+            break
         paused = work.pace(stop)  # outside any transaction
         if stop.requested:
             break
