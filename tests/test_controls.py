@@ -219,3 +219,30 @@ def test_a_statement_timeout_halves_an_adaptive_batch_and_tries_it_again(news_db
     assert failed["tasks"]["reconcile_range[0]"] == "failed" and db.drifted_posts() == 8
     s = assert_ok(run_dag(NEWS, {**conf, "batch_target_ms": 500}))
     assert s["status"] == "success" and db.drifted_posts() == 0, s
+
+
+def test_a_batch_size_given_from_the_console_is_where_an_adaptive_size_starts(news_db):
+    """With a target batch time, a batch size given mid-run replaces the size the range
+    adapts from: a batch of that size that times out is halved and tried again (before, the
+    console's size was tried again and again, a statement timeout each, and the range
+    failed)."""
+    db = news_db
+    db.posts(12, drift_every=1)
+    db.slow_updates(0.3)
+    # the job's sessions: 8 posts take 2.4 s, over it; 2 posts 0.6 s
+    db.q("SELECT set_config('x.db', current_database(), false)")
+    db.q(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 1000', "
+        "current_setting('x.db')); END $$"
+    )
+    given = []
+
+    def give_eight(_batch):
+        if not given:
+            given.append(give(open_sweep(db), "settings", batch_size=8).settings)
+
+    with after_each_batch(give_eight):
+        r = run_dag(NEWS, {**FULL, "batch_size": 2, "batch_target_ms": 500})
+    s = assert_ok(r)
+    assert given == [{"batch_size": 8}]
+    assert s["status"] == "success" and db.drifted_posts() == 0, s

@@ -515,22 +515,29 @@ BATCH_TIMEOUTS = ("57014", LOCK_NOT_AVAILABLE)  # query_canceled (statement_time
 
 @dataclass
 class BatchSize:
-    """The rows of a range's next batch: the run's ``batch_size`` (``start``), or one given
-    from the console. With a target batch time (``target_ms``, the param
-    ``batch_target_ms``; 0: off) it follows the database: after each full batch it moves
-    toward the target (at most 1.5x up, at most halved down a step), it halves on a statement
-    or lock timeout (the batch is tried again), within ``start / 8`` and ``start * 8``."""
+    """The rows of a range's next batch. One rule decides who wins: the run's ``batch_size``
+    (``start``) is the first size; a size given from the console replaces it as the size to
+    start from when the range reads it (before its next batch); with a target batch time
+    (``target_ms``, the param ``batch_target_ms``; 0: off) the size then follows the database:
+    after each full batch it moves toward the target (at most 1.5x up, at most halved down a
+    step), it halves on a statement or lock timeout (the batch is tried again), within
+    ``start / 8`` and ``start * 8`` of the size it started from."""
 
     start: int
     target_ms: float = 0
     now: int = 0
+    given: int | None = None  # the size last given from the console
 
     def __post_init__(self) -> None:
         self.now = self.now or self.start
         self.low, self.high = max(1, self.start // 8), self.start * 8
 
     def size(self, ctl: controls.Control) -> int:
-        return int(ctl.settings.get("batch_size", self.now))
+        given = ctl.settings.get("batch_size")
+        if given is not None and int(given) != self.given:  # a new size from the console
+            self.given = self.start = self.now = int(given)
+            self.__post_init__()
+        return self.now
 
     def after(self, b: Batch, ms: float) -> None:
         if self.target_ms and b.full and ms > 0:  # a short batch (a range's end) says nothing
