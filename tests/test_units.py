@@ -186,6 +186,11 @@ def test_run_over_budget_waits_for_a_runs_own_budget(monkeypatch):
     waiting["dag_run"]["start_date"] = None
     states[:] = ["queued", "queued", "running", "running", "success"]
     assert asyncio.run(check(waiting, 2, poll=0.01)) == (True, 2)
+    # a TTL raised through the deployment's settings Variable counts as the run's own
+    monkeypatch.setenv("AIRFLOW_VAR_PIN_NIGHTLY_D", '{"lock_ttl_minutes": 3}')
+    states[:] = ["running", "success"]
+    assert asyncio.run(check(context(None, 1), 2, poll=0.01)) == (True, 180)
+    monkeypatch.delenv("AIRFLOW_VAR_PIN_NIGHTLY_D")
     # and one that runs past its budget once started is reported
     states[:] = ["queued", *["running"] * 1000]
     over = context(None, 60)

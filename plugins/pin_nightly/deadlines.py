@@ -10,6 +10,7 @@ on its ``sys.path``). What they send: docs/operations.md, "Deadline (SLA) alerts
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from datetime import UTC, datetime, timedelta
@@ -110,15 +111,33 @@ def describe(
     }
 
 
-def own_budget_seconds(context: dict[str, Any] | None) -> float | None:
-    """The run's own budget in seconds: the ``lock_ttl_minutes`` of its conf (the longest the run
-    may hold the job, as the DAG's default TTL is for the default budget); None when the run
-    keeps the default."""
+def own_budget_seconds(context: dict[str, Any] | None, settings: Any = None) -> float | None:
+    """The run's own budget in seconds: the ``lock_ttl_minutes`` it ran with (the longest the
+    run may hold the job, as the DAG's default TTL is for the default budget): its conf's, else
+    the deployment's settings (the Variable ``pin_nightly_<dag_id>``, ``settings`` its raw
+    value), as the run's options take them; None when the run keeps the default."""
     conf = (((context or {}).get("dag_run") or {}).get("conf")) or {}
-    ttl = conf.get("lock_ttl_minutes")
+    ttl = conf.get("lock_ttl_minutes", _setting(settings, "lock_ttl_minutes"))
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
         return None
     return float(ttl) * 60
+
+
+def _setting(raw: Any, key: str) -> Any:
+    """A key of a deployment's settings Variable (JSON; anything else: none)."""
+    try:
+        settings = json.loads(raw) if raw else {}
+    except ValueError:
+        return None
+    return settings.get(key) if isinstance(settings, dict) else None
+
+
+async def _settings(dag_id: str | None) -> Any:
+    """The raw value of the deployment's settings Variable of ``dag_id`` (None: none)."""
+    from airflow.sdk import Variable
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(Variable.get)(f"pin_nightly_{dag_id}", default=None)
 
 
 FINISHED = ("success", "failed")
@@ -157,7 +176,7 @@ async def within_own_budget(
         return False, interval_seconds
     run = context["dag_run"]
     dag_id, run_id = run.get("dag_id"), run.get("dag_run_id") or run.get("run_id")
-    own = max(own_budget_seconds(context) or 0.0, interval_seconds)
+    own = max(own_budget_seconds(context, await _settings(dag_id)) or 0.0, interval_seconds)
     queued = _instant(run.get("queued_at") or run.get("run_after"))
     started = _instant(run.get("start_date")) if "start_date" in run else queued
     if started is None and (started := await _started(dag_id, run_id, poll)) is None:
