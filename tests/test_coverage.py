@@ -237,6 +237,7 @@ def test_a_late_clear_of_an_old_range_whose_sweep_is_still_open_writes_nothing(
     [done] = return_values(CATALOG, night_d["run_id"], "recompute_property_objects")
     assert done["status"] == "superseded", done
     assert done["superseded_by"].startswith("superseded by the run"), done
+    assert r["summary"]["status"].startswith("nothing written: superseded by the run"), r
 
 
 def test_a_catch_up_of_missed_nights_is_refused_whatever_its_run_type(

@@ -104,17 +104,20 @@ class Popularity(jobs.Job):
         result["resumed"] = runs.resumed(totals, run.lease)
 
     def settle(self, conn, run: runs.Run, result: dict[str, Any]) -> None:
-        """A run that may write nothing and wrote nothing says so in its status (a summary
-        cleared after newer nights keeps what its run did; else ``success`` only when both
+        """A run that may write nothing says so in its status (but a summary cleared after
+        newer nights keeps the status its run's summary logged; else ``success`` only when both
         passes of ``as_of_date`` completed and no sweep is left unfinished); the staleness figures
         come from the newest as_of_date whose passes all completed, whichever run completed them;
         a dry run reports what it would have written."""
         with transaction(conn) as cur:
             why = _backfill_guard(cur, run.opts)
+            cur.execute(sql("common/run_log_status"), {"job": JOB.code, "run_id": run.run_id})
+            logged = (cur.fetchone() or [None])[0]
             cur.execute(sql("catalog/scored_date"), {"job": JOB.code, "passes": len(KINDS)})
             scored = fetch_one_dict(cur)
-        if why is not None and not self.rows_tried(result):  # a late summary of a run that
-            result["status"] = f"nothing written: {why}"  # wrote keeps what it did
+        if why is not None:  # a late summary of a run that ended well keeps what it logged
+            kept = logged in ("success", "backlog_remaining")
+            result["status"] = logged if kept else f"nothing written: {why}"
         if scored is not None:
             result["scores_as_of_date"] = scored["as_of_date"].isoformat()
             result["score_staleness_hours"] = round(scored["staleness_hours"], 3)

@@ -121,6 +121,10 @@ ON CONFLICT (job, run_id) DO UPDATE
        finished_at = excluded.finished_at
  WHERE NOT %(lock_held)s OR pin_nightly.run_log.status = %(status)s
 
+-- name: run_log_status
+-- The status a run's summary logged last (no row: none yet).
+SELECT status FROM pin_nightly.run_log WHERE job = %(job)s AND run_id = %(run_id)s
+
 -- Job-owned history past its retention (days), deleted by the runs themselves.
 -- name: prune_run_log
 DELETE FROM pin_nightly.run_log
