@@ -386,6 +386,16 @@ class CatalogDB(NewsDB):
             (run_date, through or run_date),
         )
 
+    def cards_seen_the_night_before(
+        self, d, n: int, views: int = 20, seen: int = 10, kind: str = "PropertyObject"
+    ) -> list[str]:
+        """``n`` cards of ``kind`` with counters ``views``, ``views + 1``, ... and a snapshot
+        of ``seen`` views on the night before ``d``: each has a delta to score on night d."""
+        cards = [self.card(views=views + i, kind=kind) for i in range(n)]
+        for c in cards:
+            self.seed_snapshot(c, d - timedelta(days=1), seen, kind)
+        return cards
+
     def seed_snapshot(self, cid: str, run_date, views: int, kind: str = "PropertyObject"):
         self.partition(run_date)
         self.conn.execute(

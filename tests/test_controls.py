@@ -202,18 +202,23 @@ def test_an_adaptive_batch_size_follows_the_batch_time(news_db):
     assert sum(sizes) == 60
 
 
-def test_a_statement_timeout_halves_an_adaptive_batch_and_tries_it_again(news_db):
-    """A batch that hits the session's statement_timeout is rolled back, halved and tried
-    again; without a target batch time the same timeout fails the range."""
-    db = news_db
-    db.posts(8, drift_every=1)
+def slow_under_a_statement_timeout(db) -> None:
+    """Each post update takes 0.3 s, and the job's sessions have a statement_timeout of 1 s:
+    a batch of 8 posts (2.4 s) times out, one of 2 (0.6 s) does not."""
     db.slow_updates(0.3)
-    # the job's sessions: 8 posts take 2.4 s, over it; 2 posts 0.6 s
     db.q("SELECT set_config('x.db', current_database(), false)")
     db.q(
         "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 1000', "
         "current_setting('x.db')); END $$"
     )
+
+
+def test_a_statement_timeout_halves_an_adaptive_batch_and_tries_it_again(news_db):
+    """A batch that hits the session's statement_timeout is rolled back, halved and tried
+    again; without a target batch time the same timeout fails the range."""
+    db = news_db
+    db.posts(8, drift_every=1)
+    slow_under_a_statement_timeout(db)
     conf = {**FULL, "batch_size": 8}
     failed = run_dag(NEWS, conf, logical_date=night(db.today() - timedelta(days=2)))
     assert failed["tasks"]["reconcile_range[0]"] == "failed" and db.drifted_posts() == 8
@@ -228,13 +233,7 @@ def test_a_batch_size_given_from_the_console_is_where_an_adaptive_size_starts(ne
     failed)."""
     db = news_db
     db.posts(12, drift_every=1)
-    db.slow_updates(0.3)
-    # the job's sessions: 8 posts take 2.4 s, over it; 2 posts 0.6 s
-    db.q("SELECT set_config('x.db', current_database(), false)")
-    db.q(
-        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 1000', "
-        "current_setting('x.db')); END $$"
-    )
+    slow_under_a_statement_timeout(db)
     given = []
 
     def give_eight(_batch):

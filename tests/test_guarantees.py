@@ -66,9 +66,7 @@ def test_a_clear_of_an_old_night_a_week_later_writes_nothing(catalog_db, monkeyp
     carries a week's growth."""
     db = catalog_db
     d = db.today() - timedelta(days=20)
-    cards = [db.card(views=100 + i) for i in range(6)]
-    for c in cards:
-        db.seed_snapshot(c, d - timedelta(days=1), 50)
+    db.cards_seen_the_night_before(d, 6, views=100, seen=50)
     conf = {"batch_size": 2, "max_ranges": 1}
     with monkeypatch.context() as mp:
         inject(mp, "pin_nightly.catalog.make_batch", "mid_batch", "PropertyObject")
@@ -96,9 +94,7 @@ def test_rows_that_failed_before_are_written_as_soon_as_what_rejected_them_is_go
     are), the one still failing is not recorded again, and the run counts only it."""
     db = catalog_db
     d = db.today() - timedelta(days=5)
-    cards = [db.card(views=20 + i) for i in range(40)]
-    for c in cards:
-        db.seed_snapshot(c, d - timedelta(days=1), 10)
+    cards = db.cards_seen_the_night_before(d, 40)
     db.reject_all_updates("catalog.property_object_cards")
     r = run_night(CATALOG, {"batch_size": 50}, d)
     assert r["tasks"]["summarize"] == "failed"  # most rows failed
@@ -125,9 +121,7 @@ def test_a_row_rejected_by_row_level_security_is_isolated(catalog_db):
     42501, a trigger's own ERRCODE) is isolated like any item error: the others are written."""
     db = catalog_db
     d = db.today() - timedelta(days=3)
-    cards = [db.card(views=20 + i) for i in range(8)]
-    for c in cards:
-        db.seed_snapshot(c, d - timedelta(days=1), 10)
+    cards = db.cards_seen_the_night_before(d, 8)
     db.q(
         "CREATE FUNCTION public.two_rules() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
         f"IF NEW.id = '{cards[2]}' THEN RAISE EXCEPTION 'new row violates row-level security' "

@@ -219,9 +219,7 @@ def test_a_late_clear_of_an_older_popularity_run_writes_nothing(catalog_db):
     the summary says nothing was written."""
     db = catalog_db
     d = db.today() - timedelta(days=2)
-    cards = [db.card(views=100 + i) for i in range(9)]
-    for c in cards:
-        db.seed_snapshot(c, d - timedelta(days=1), 50)
+    cards = db.cards_seen_the_night_before(d, 9, views=100, seen=50)
     db.fail_updates_of(cards[7], "catalog.property_object_cards")
     conf = {"batch_size": 2, "max_ranges": 2}
     night_d = run_night(CATALOG, conf, d)
@@ -430,9 +428,7 @@ def test_a_card_that_cannot_be_written_is_isolated_and_the_run_stays_green(
     """The card is recorded and logged with its kind and id (the spec's CardKind, CardId)."""
     db = catalog_db
     d = db.today() - timedelta(days=1)
-    cards = [db.card(views=20 + i) for i in range(6)]
-    for c in cards:
-        db.seed_snapshot(c, d - timedelta(days=1), 10)
+    cards = db.cards_seen_the_night_before(d, 6)
     db.fail_updates_of(cards[3], "catalog.property_object_cards", errcode="check_violation")
     capfd.readouterr()
     s = assert_ok(run_night(CATALOG, {"batch_size": 4}, d))
@@ -457,9 +453,7 @@ def test_a_rule_that_rejects_every_card_fails_the_run_and_publishes_nothing(cata
     no asset event, and the last-success time stays where it was."""
     db = catalog_db
     d = db.today() - timedelta(days=2)
-    cards = [db.card(views=20 + i) for i in range(12)]
-    for c in cards:
-        db.seed_snapshot(c, d - timedelta(days=1), 10)
+    cards = db.cards_seen_the_night_before(d, 12)
     db.reject_all_updates("catalog.property_object_cards")
     r = run_night(CATALOG, {"batch_size": 5}, d)
     assert r["state"] == "failed" and r["tasks"]["summarize"] == "failed", r
