@@ -1446,7 +1446,9 @@ def test_news_operation_sequences(news_db):
 
 
 def _reset_catalog(db) -> None:
-    """Empty tables, as the job creates them on its first run."""
+    """Empty tables, as the job creates them on its first run, and the job's clock back to the
+    real date (a sequence sets it night by night)."""
+    db.set_today(None)
     db.q("DROP SCHEMA IF EXISTS pin_nightly CASCADE")
     run_sql_file(db.dsn, "schema/pin_nightly.sql")
     run_sql_file(db.dsn, "schema/catalog_popularity.sql")
