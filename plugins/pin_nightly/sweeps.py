@@ -155,7 +155,6 @@ def open_sweep(conn, spec: SweepSpec, lease: leases.Lease, run_id: str, plan: Pl
     base = {"job": spec.job, "scope": spec.scope, "family": spec.family, "run_id": run_id}
     base.update(owner=lease.holder, variant=f" {spec.variant}" if spec.variant else "")
     with transaction(conn) as cur:
-        leases.fence(cur, lease)  # a lost lease opens, adopts or abandons nothing
         _close_leftovers(cur, base)
         sweep = _find_or_adopt(cur, spec, base)
         if sweep is None:
@@ -165,6 +164,9 @@ def open_sweep(conn, spec: SweepSpec, lease: leases.Lease, run_id: str, plan: Pl
         for s in [sweep, *sweep["others"]]:
             cur.execute(sql("common/sweep_ranges"), {"sweep_id": s["sweep_id"]})
             s["ranges"] = fetch_dicts(cur)
+        # the lease's fence, last: a lost lease commits nothing of this, and the lease row is
+        # held (FOR SHARE) only for the commit, not through the planning
+        leases.fence(cur, lease)
     return sweep
 
 
