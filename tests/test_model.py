@@ -541,7 +541,7 @@ class Model(RuleBasedStateMachine):
 
 class CatalogModel(Model):
     """Six cards of each kind whose counters grow between nights (and during runs); scheduled
-    nights from 45 days back (some missed, some far apart: retention deletes), with one to three
+    nights from 59 days back (some missed, some far apart: retention deletes), with one to three
     ranges, cut budgets, traffic; manual runs (today, the last night's date, a past date, a
     future date; dry, targeted, targeted at a card that does not exist, another window or
     half-life); failures at any point, late clears of any failed run; poison cards; the date
@@ -555,10 +555,10 @@ class CatalogModel(Model):
 
     def __init__(self, db):
         super().__init__(db)
-        # the model's day may pass the real date (the job reads only its clock), within the
-        # 62 days ahead its partition function accepts
-        self.limit = self.today + timedelta(days=40)
-        self.night = self.today - timedelta(days=46)  # the last scheduled night
+        # the model's day never passes the real date: the table owner's partition functions
+        # bound their nights by the real date, which the job's clock is never after
+        self.limit = self.today
+        self.night = self.today - timedelta(days=60)  # the last scheduled night
         self.set_clock(self.night)
         self.cards = {
             db.card(views=10 * i + 5, kind=kind): kind
