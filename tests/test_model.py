@@ -271,7 +271,11 @@ class Model(RuleBasedStateMachine):
                 f"for its row lock instead of skipping it): {held['error']}"
             )
         r.update(conf=conf, logical=logical, day=day, fault=fault, first_at=first_at)
-        r.update(how=again_of["how"] if again_of else None)
+        # whether the run's options were checked again: a new run, a whole-run clear, or a
+        # clear of a run whose validate_options had failed (a refused run)
+        again = again_of is not None and again_of["how"] != "whole_run"
+        refused_before = again and again_of["tasks"].get("validate_options") == "failed"
+        r.update(how=again_of["how"] if again_of else None, revalidated=not again or refused_before)
         r.update(before=before, cut=cut, poisoned=self.poison_union(again_of))
         if fault is None and self.expect_green(r):
             assert r["state"] == "success", ("a run without a fault failed", r["tasks"])
@@ -646,9 +650,9 @@ class CatalogModel(Model):
 
     def expect_green(self, r: dict) -> bool:
         """Refused before any write: a run dated after the model's day, or a past night's run
-        whose options are checked again (not a clear of some of its tasks: those write
-        nothing and end green)."""
-        past = self.past(r["day"]) and r["how"] in (None, "whole_run")
+        whose options are checked again (a new run, a whole-run clear, a clear of a refused
+        run); a clear of other tasks of a past night's run writes nothing and ends green."""
+        past = self.past(r["day"]) and r["revalidated"]
         return r["day"] <= self.today and not past and super().expect_green(r)
 
     def catalog_run(self, conf: dict, logical, fault, cut=None, traffic=None, run_id=None):
@@ -1347,6 +1351,12 @@ _MIDNIGHT_END = [
     S("manual_run", extra="plain", traffic="commit", when="today"),
 ]
 MIDNIGHT_SEQUENCES = {
+    # a run refused as dated in the future, cleared once its night has passed: refused again
+    "refused_run_cleared_once_past": [
+        S("manual_run", extra="plain", when="future"),
+        S("scheduled_night", gap=20),
+        S("clear_a_failed_run", which=-1, how="failed_tasks"),
+    ],
     "kept_score": [*_MIDNIGHT, S("poison", rows="none"), *_MIDNIGHT_END],
     "kept_score_at_midnight": [
         *_MIDNIGHT,
