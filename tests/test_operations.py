@@ -497,6 +497,7 @@ def test_four_pool_slots_cut_by_the_budget_reach_every_card(stack):
         for k in range(20, 6, -1):  # up to 14 nights, none the backfill test above ran
             for table in db.TABLES.values():
                 db.q(f"UPDATE {table} SET popularity_views = popularity_views + 3")
+            db.set_today(today - timedelta(days=k))  # the night, as of its date
             run_id = _trigger_night(stack, today - timedelta(days=k), conf)
             stack.wait_run(CATALOG, run_id, timeout=240, expect="success")
             at_once = max(at_once, _ranges_at_once(stack, run_id))
@@ -505,6 +506,7 @@ def test_four_pool_slots_cut_by_the_budget_reach_every_card(stack):
                 break
     finally:
         set_slots(1)
+        db.set_today(None)
         db.q("DROP TRIGGER slow_batch ON catalog.popularity_daily_views")
     assert unreached[0] > 0, "the first night was cut by its budget"
     assert unreached[-1] == 0, f"cards never reached after {len(unreached)} nights: {unreached}"
